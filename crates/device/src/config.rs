@@ -1,0 +1,168 @@
+//! The device configuration: what `vblk serve` was asked to do.
+
+use std::os::fd::RawFd;
+use std::path::PathBuf;
+
+use storage::{CacheMode, DiskSpec, EngineKind};
+
+/// Default number of virtqueues.
+pub const DEFAULT_NUM_QUEUES: u16 = 1;
+/// Default (and largest offered) virtqueue size.
+pub const DEFAULT_QUEUE_SIZE: u16 = 256;
+/// Default polling window after a worker's queues run dry, in microseconds.
+pub const DEFAULT_POLL_US: u64 = 50;
+/// Largest payload buffer offered in `size_max`.
+pub const SIZE_MAX: u32 = 1 << 20;
+/// Largest discard / write-zeroes segment, in sectors (just under 2 GiB).
+pub const MAX_DISCARD_SECTORS: u32 = 0x3f_ffff;
+
+/// Where the device listens for its frontend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Listen {
+    /// Create a Unix socket at this path.
+    Path(PathBuf),
+    /// Use this already listening socket (systemd socket activation).
+    Fd(RawFd),
+}
+
+/// Everything `vblk serve` needs to know.
+#[derive(Clone, Debug)]
+pub struct DeviceConfig {
+    /// The disk.
+    pub disk: DiskSpec,
+    /// Refuse writes and offer VIRTIO_BLK_F_RO.
+    pub read_only: bool,
+    /// Page cache or O_DIRECT.
+    pub cache: CacheMode,
+    /// The GET_ID string; None derives one from the disk.
+    pub serial: Option<String>,
+    /// Number of virtqueues.
+    pub num_queues: u16,
+    /// Number of worker threads.
+    pub threads: usize,
+    /// Largest virtqueue size offered.
+    pub queue_size: u16,
+    /// Storage engine.
+    pub engine: EngineKind,
+    /// Polling window in microseconds (0: never spin).
+    pub poll_us: u64,
+}
+
+impl Default for DeviceConfig {
+    fn default() -> Self {
+        DeviceConfig {
+            disk: DiskSpec::Null(1 << 30),
+            read_only: false,
+            cache: CacheMode::default(),
+            serial: None,
+            num_queues: DEFAULT_NUM_QUEUES,
+            threads: 1,
+            queue_size: DEFAULT_QUEUE_SIZE,
+            engine: EngineKind::default(),
+            poll_us: DEFAULT_POLL_US,
+        }
+    }
+}
+
+/// A configuration value that cannot work.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// Queue count out of range.
+    #[error("--num-queues {0}: must be between 1 and 64")]
+    NumQueues(u16),
+    /// Queue size not a power of two in range.
+    #[error("--queue-size {0}: must be a power of two between 4 and 32768")]
+    QueueSize(u16),
+    /// Thread count out of range.
+    #[error("--threads {threads}: must be between 1 and the number of queues ({queues})")]
+    Threads {
+        /// Threads asked for.
+        threads: usize,
+        /// Queues.
+        queues: u16,
+    },
+    /// Serial too long.
+    #[error("--serial {serial:?} is {len} bytes; GET_ID holds at most 20")]
+    Serial {
+        /// The serial.
+        serial: String,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// Poll window absurdly large.
+    #[error("--poll-us {0}: must be at most 1000000 (one second)")]
+    PollUs(u64),
+}
+
+impl DeviceConfig {
+    /// Check every value; the message names the flag and the number.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.num_queues == 0 || self.num_queues > 64 {
+            return Err(ConfigError::NumQueues(self.num_queues));
+        }
+        if !self.queue_size.is_power_of_two() || self.queue_size < 4 {
+            return Err(ConfigError::QueueSize(self.queue_size));
+        }
+        if self.threads == 0 || self.threads > usize::from(self.num_queues) {
+            return Err(ConfigError::Threads {
+                threads: self.threads,
+                queues: self.num_queues,
+            });
+        }
+        if let Some(s) = &self.serial {
+            if s.len() > proto::wire::ID_BYTES {
+                return Err(ConfigError::Serial {
+                    serial: s.clone(),
+                    len: s.len(),
+                });
+            }
+        }
+        if self.poll_us > 1_000_000 {
+            return Err(ConfigError::PollUs(self.poll_us));
+        }
+        Ok(())
+    }
+
+    /// Bit mask of the queues worker `t` owns: queue `i` goes to worker `i % threads`.
+    pub fn queue_mask(&self, t: usize) -> u64 {
+        (0..usize::from(self.num_queues))
+            .filter(|i| i % self.threads == t)
+            .fold(0, |m, i| m | (1 << i))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validate_names_the_flag_and_number() {
+        let ok = DeviceConfig {
+            num_queues: 4,
+            threads: 2,
+            ..Default::default()
+        };
+        assert_eq!(ok.validate(), Ok(()));
+        assert_eq!(ok.queue_mask(0), 0b0101);
+        assert_eq!(ok.queue_mask(1), 0b1010);
+        let bad = DeviceConfig {
+            threads: 3,
+            num_queues: 2,
+            ..Default::default()
+        };
+        assert_eq!(
+            bad.validate().unwrap_err().to_string(),
+            "--threads 3: must be between 1 and the number of queues (2)"
+        );
+        let bad = DeviceConfig {
+            queue_size: 100,
+            ..Default::default()
+        };
+        assert!(bad.validate().unwrap_err().to_string().contains("100"));
+        let bad = DeviceConfig {
+            serial: Some("x".repeat(21)),
+            ..Default::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+}

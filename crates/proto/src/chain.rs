@@ -1,0 +1,179 @@
+//! A strict walker of split-ring descriptor chains (virtio 1.2 §2.7.5).
+//!
+//! virtio-queue's own chain iterator stops quietly on a bad descriptor, which makes a
+//! truncated chain look like a complete one. The device must tell the two apart (a broken
+//! chain has no trustworthy status byte), so vblk walks chains itself and names every way a
+//! chain can be wrong.
+
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
+
+use virtio_queue::desc::split::Descriptor;
+
+const DESC_F_NEXT: u16 = 1;
+const DESC_F_WRITE: u16 = 2;
+const DESC_F_INDIRECT: u16 = 4;
+const DESC_SIZE: u64 = 16;
+
+/// Where a queue's descriptor table is and what the driver negotiated for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingInfo {
+    /// Guest address of the descriptor table.
+    pub desc_table: GuestAddress,
+    /// Queue size (number of descriptors in the table).
+    pub size: u16,
+    /// Whether VIRTIO_F_RING_INDIRECT_DESC was negotiated.
+    pub indirect: bool,
+}
+
+/// One buffer of a chain, in guest terms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// Guest physical address.
+    pub addr: GuestAddress,
+    /// Length in bytes.
+    pub len: u32,
+    /// Device-writable (VIRTQ_DESC_F_WRITE).
+    pub writable: bool,
+}
+
+/// Everything that can be wrong with a chain's structure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ChainError {
+    /// The available ring named a head outside the descriptor table.
+    #[error("head index {head} is outside the queue of size {size}")]
+    HeadOutOfRange {
+        /// The head index.
+        head: u16,
+        /// The queue size.
+        size: u16,
+    },
+    /// A `next` field points outside the (direct or indirect) table.
+    #[error("descriptor {index} links to {next}, outside the table of {size} entries")]
+    NextOutOfRange {
+        /// The descriptor holding the link.
+        index: u16,
+        /// The link.
+        next: u16,
+        /// Entries in the table.
+        size: u16,
+    },
+    /// The chain is longer than its table: a loop or a runaway link.
+    #[error("chain is longer than the {size} descriptors its table holds (a loop?)")]
+    TooLong {
+        /// Entries in the table.
+        size: u16,
+    },
+    /// A descriptor could not be read from guest memory.
+    #[error("descriptor at guest address {addr:#x} is not in guest memory")]
+    Unreadable {
+        /// Its guest address.
+        addr: u64,
+    },
+    /// An indirect descriptor, but VIRTIO_F_RING_INDIRECT_DESC was not negotiated.
+    #[error("indirect descriptor, but indirect descriptors were not negotiated")]
+    IndirectNotNegotiated,
+    /// An indirect descriptor also has the NEXT flag.
+    #[error("indirect descriptor also has the NEXT flag")]
+    IndirectWithNext,
+    /// An indirect table contains another indirect descriptor.
+    #[error("indirect table contains an indirect descriptor")]
+    NestedIndirect,
+    /// An indirect table whose length is zero, not a multiple of 16 or too large.
+    #[error("indirect table of {len} bytes (must be a non-zero multiple of 16, at most {max})")]
+    IndirectBadLength {
+        /// Its length in bytes.
+        len: u32,
+        /// The largest table allowed.
+        max: u32,
+    },
+    /// More buffers than the walker may hold.
+    #[error("chain has more than {max} buffers")]
+    TooManySegments {
+        /// The most allowed.
+        max: usize,
+    },
+    /// The buffers add up to more than 4 GiB.
+    #[error("chain buffers add up to more than 4 GiB")]
+    TooLarge,
+}
+
+/// Walk the chain that starts at `head`, appending its buffers to `out` (cleared first).
+/// `out`'s capacity bounds the walk: it never grows.
+pub fn walk<M: GuestMemoryBackend>(
+    mem: &M,
+    ring: RingInfo,
+    head: u16,
+    out: &mut Vec<Segment>,
+) -> Result<(), ChainError> {
+    out.clear();
+    if head >= ring.size {
+        return Err(ChainError::HeadOutOfRange {
+            head,
+            size: ring.size,
+        });
+    }
+    let mut total: u32 = 0;
+    let mut table = ring.desc_table;
+    let mut table_size = ring.size;
+    let mut in_indirect = false;
+    let mut index = head;
+    let mut ttl = ring.size;
+    loop {
+        if ttl == 0 {
+            return Err(ChainError::TooLong { size: table_size });
+        }
+        ttl -= 1;
+        let addr = table
+            .checked_add(u64::from(index) * DESC_SIZE)
+            .ok_or(ChainError::Unreadable { addr: u64::MAX })?;
+        let desc: Descriptor = mem
+            .read_obj(addr)
+            .map_err(|_| ChainError::Unreadable { addr: addr.0 })?;
+        let flags = desc.flags();
+        if flags & DESC_F_INDIRECT != 0 {
+            if in_indirect {
+                return Err(ChainError::NestedIndirect);
+            }
+            if !ring.indirect {
+                return Err(ChainError::IndirectNotNegotiated);
+            }
+            if flags & DESC_F_NEXT != 0 {
+                return Err(ChainError::IndirectWithNext);
+            }
+            let max = u32::from(ring.size) * DESC_SIZE as u32;
+            let len = desc.len();
+            if len == 0 || len % DESC_SIZE as u32 != 0 || len > max {
+                return Err(ChainError::IndirectBadLength { len, max });
+            }
+            table = desc.addr();
+            table_size = (len / DESC_SIZE as u32) as u16;
+            in_indirect = true;
+            index = 0;
+            ttl = table_size;
+            continue;
+        }
+        if out.len() == out.capacity() {
+            return Err(ChainError::TooManySegments {
+                max: out.capacity(),
+            });
+        }
+        total = total.checked_add(desc.len()).ok_or(ChainError::TooLarge)?;
+        out.push(Segment {
+            addr: desc.addr(),
+            len: desc.len(),
+            writable: flags & DESC_F_WRITE != 0,
+        });
+        if flags & DESC_F_NEXT == 0 {
+            return Ok(());
+        }
+        let next = desc.next();
+        if next >= table_size {
+            return Err(ChainError::NextOutOfRange {
+                index,
+                next,
+                size: table_size,
+            });
+        }
+        index = next;
+    }
+}

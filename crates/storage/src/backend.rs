@@ -1,0 +1,482 @@
+//! Backends: where a disk's bytes live. [`Backend::open`] turns a [`DiskSpec`]
+//! into an opened regular file, block device, RAM disk (a memfd mapped shared) or
+//! null disk, and [`Backend::engine`] gives each worker its own engine on it.
+
+use std::fmt;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::str::FromStr;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use crate::bounce::{probe_dio, DioAlign, DioProbe};
+use crate::engine::{check_depth, Engine, EngineKind};
+use crate::error::Error;
+use crate::inline::InlineEngine;
+use crate::spec::{DiskSpec, SECTOR_SIZE};
+use crate::sync_engine::SyncEngine;
+use crate::uring_engine::UringEngine;
+
+/// `BLKGETSIZE64`: the size of a block device in bytes (`_IOR(0x12, 114, size_t)`).
+const BLKGETSIZE64: libc::Ioctl = libc::_IOR::<u64>(0x12, 114);
+
+/// The longest serial number virtio-blk carries.
+const SERIAL_MAX: usize = 20;
+
+/// How the host page cache is used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CacheMode {
+    /// O_DIRECT: bypass the page cache.
+    None,
+    /// Through the page cache; flushes make it durable.
+    #[default]
+    Writeback,
+}
+
+impl FromStr for CacheMode {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "none" => Ok(CacheMode::None),
+            "writeback" => Ok(CacheMode::Writeback),
+            _ => Err(Error::BadCacheMode {
+                input: s.to_owned(),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for CacheMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CacheMode::None => "none",
+            CacheMode::Writeback => "writeback",
+        })
+    }
+}
+
+/// How to open a disk.
+#[derive(Clone, Debug, Default)]
+pub struct OpenOptions {
+    /// Open read-only: writes, discards and write-zeroes fail with `EBADF`.
+    pub read_only: bool,
+    /// Page cache use (files and block devices; RAM and null disks ignore it).
+    pub cache: CacheMode,
+}
+
+/// What kind of thing holds the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// A regular file.
+    File,
+    /// A block device.
+    BlockDevice,
+    /// A RAM disk: a memfd mapped into the process.
+    Mem,
+    /// Reads zeroes, drops writes.
+    Null,
+}
+
+/// What `fallocate` modes turned out to be unsupported, learnt once per backend so
+/// later operations go straight to the fallback.
+#[derive(Debug, Default)]
+pub(crate) struct FallocCaps {
+    pub no_punch: AtomicBool,
+    pub no_zero_range: AtomicBool,
+}
+
+/// The shared mapping of a RAM disk.
+pub(crate) struct MemMap {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl MemMap {
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for MemMap {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly what mmap returned; the Backend owning
+        // this map outlives every engine (they hold an Arc), so nothing uses it now.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// An opened disk. Send + Sync; shared by all device workers behind an `Arc`.
+pub struct Backend {
+    kind: BackendKind,
+    path: Option<PathBuf>,
+    file: Option<File>,
+    map: Option<MemMap>,
+    size: u64,
+    logical_block_size: u32,
+    dio: Option<DioAlign>,
+    read_only: bool,
+    cache: CacheMode,
+    serial: String,
+    pub(crate) caps: FallocCaps,
+}
+
+// SAFETY: the only field that is not Send + Sync is the RAM disk's mapping, a
+// MAP_SHARED region owned by the Backend for its whole life. Engines access it only
+// through raw-pointer copies (never references), the way guest memory is accessed;
+// concurrent overlapping writes leave unspecified bytes, as on a real disk.
+unsafe impl Send for Backend {}
+// SAFETY: as for Send: all shared access is through raw-pointer copies into the
+// mapping, or through the file descriptor and atomics.
+unsafe impl Sync for Backend {}
+
+impl Backend {
+    /// Opens the disk `spec` names.
+    pub fn open(spec: &DiskSpec, opts: &OpenOptions) -> Result<Backend, Error> {
+        match spec {
+            DiskSpec::File(path) => open_file(path, opts),
+            DiskSpec::Mem(size) => open_mem(*size, opts),
+            DiskSpec::Null(size) => {
+                check_sector_multiple(*size)?;
+                Ok(Backend::bare(BackendKind::Null, *size, "vblk-null", opts))
+            }
+        }
+    }
+
+    fn bare(kind: BackendKind, size: u64, serial: &str, opts: &OpenOptions) -> Backend {
+        Backend {
+            kind,
+            path: None,
+            file: None,
+            map: None,
+            size,
+            logical_block_size: SECTOR_SIZE as u32,
+            dio: None,
+            read_only: opts.read_only,
+            cache: opts.cache,
+            serial: serial.to_owned(),
+            caps: FallocCaps::default(),
+        }
+    }
+
+    /// What kind of thing holds the bytes.
+    pub fn kind(&self) -> BackendKind {
+        self.kind
+    }
+
+    /// Size in bytes; always a multiple of 512.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// 512, or what O_DIRECT needs for offsets and lengths on this file or device
+    /// (`cache=none`); a power of two. Operations not aligned to it fail with `EINVAL`.
+    pub fn logical_block_size(&self) -> u32 {
+        self.logical_block_size
+    }
+
+    /// Whether writes are refused.
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The cache mode asked for at open.
+    pub fn cache(&self) -> CacheMode {
+        self.cache
+    }
+
+    /// Whether [`Op::Discard`](crate::Op::Discard) is worth sending (false when
+    /// read-only).
+    pub fn supports_discard(&self) -> bool {
+        !self.read_only
+    }
+
+    /// Whether [`Op::WriteZeroes`](crate::Op::WriteZeroes) works (false when
+    /// read-only; otherwise always, falling back to writing zeroes).
+    pub fn supports_write_zeroes(&self) -> bool {
+        !self.read_only
+    }
+
+    /// A serial number of at most 20 bytes: the file name (its last 20 bytes if
+    /// longer), `vblk-mem` or `vblk-null`.
+    pub fn default_serial(&self) -> String {
+        self.serial.clone()
+    }
+
+    /// The path of a file or block device.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The descriptor of a file, block device or RAM disk (its memfd), for
+    /// inspection or for sharing a RAM disk; None for a null disk.
+    pub fn raw_fd(&self) -> Option<RawFd> {
+        self.file.as_ref().map(|f| f.as_raw_fd())
+    }
+
+    /// A per-worker engine; `depth` = the most operations ever in flight at once
+    /// (1..=[`MAX_DEPTH`](crate::MAX_DEPTH)). RAM and null disks get the inline
+    /// engine whatever `kind` says.
+    pub fn engine(
+        self: &Arc<Self>,
+        kind: EngineKind,
+        depth: u32,
+    ) -> Result<Box<dyn Engine>, Error> {
+        let depth_n = check_depth(depth)?;
+        match (self.kind, kind) {
+            (BackendKind::Mem | BackendKind::Null, _) => {
+                Ok(Box::new(InlineEngine::new(Arc::clone(self), depth_n)))
+            }
+            (_, EngineKind::Sync) => Ok(Box::new(SyncEngine::new(Arc::clone(self), depth_n))),
+            (_, EngineKind::IoUring) => Ok(Box::new(UringEngine::new(Arc::clone(self), depth)?)),
+        }
+    }
+
+    /// The descriptor engines do I/O on; -1 for a null disk (which never uses it).
+    pub(crate) fn fd(&self) -> RawFd {
+        self.raw_fd().unwrap_or(-1)
+    }
+
+    /// The O_DIRECT alignment, when opened with `cache=none`.
+    pub(crate) fn dio(&self) -> Option<DioAlign> {
+        self.dio
+    }
+
+    /// The RAM disk's mapping.
+    pub(crate) fn map(&self) -> Option<&MemMap> {
+        self.map.as_ref()
+    }
+}
+
+impl fmt::Debug for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Backend")
+            .field("kind", &self.kind)
+            .field("path", &self.path)
+            .field("size", &self.size)
+            .field("logical_block_size", &self.logical_block_size)
+            .field("read_only", &self.read_only)
+            .field("cache", &self.cache)
+            .finish_non_exhaustive()
+    }
+}
+
+fn check_sector_multiple(size: u64) -> Result<(), Error> {
+    if size == 0 {
+        return Err(Error::ZeroSize);
+    }
+    if !size.is_multiple_of(SECTOR_SIZE) {
+        return Err(Error::UnalignedSize { size });
+    }
+    Ok(())
+}
+
+fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
+    let direct = opts.cache == CacheMode::None;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(!opts.read_only)
+        .custom_flags(if direct { libc::O_DIRECT } else { 0 })
+        .open(path)
+        .map_err(|source| {
+            if direct && source.raw_os_error() == Some(libc::EINVAL) {
+                Error::DirectUnsupported {
+                    path: path.to_owned(),
+                }
+            } else {
+                Error::Open {
+                    path: path.to_owned(),
+                    source,
+                }
+            }
+        })?;
+    let io_err = |op, source| Error::Io {
+        path: path.to_owned(),
+        op,
+        source,
+    };
+    let meta = file.metadata().map_err(|e| io_err("fstat", e))?;
+    let ft = meta.file_type();
+    let (kind, size) = if ft.is_file() {
+        (BackendKind::File, meta.len())
+    } else if ft.is_block_device() {
+        let mut bytes: u64 = 0;
+        // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points to
+        // a live local.
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut bytes) };
+        if rc != 0 {
+            return Err(io_err("ioctl(BLKGETSIZE64)", io::Error::last_os_error()));
+        }
+        (BackendKind::BlockDevice, bytes)
+    } else {
+        return Err(Error::NotADisk {
+            path: path.to_owned(),
+        });
+    };
+    let unaligned = |block: u32| Error::UnalignedFile {
+        path: path.to_owned(),
+        size,
+        block,
+    };
+    if !size.is_multiple_of(SECTOR_SIZE) {
+        return Err(unaligned(SECTOR_SIZE as u32));
+    }
+
+    let mut logical_block_size = SECTOR_SIZE as u32;
+    let mut dio = None;
+    if direct {
+        let align = match probe_dio(file.as_raw_fd()) {
+            DioProbe::Reported { mem, offset } => DioAlign { mem, offset },
+            DioProbe::Unsupported => {
+                return Err(Error::DirectUnsupported {
+                    path: path.to_owned(),
+                })
+            }
+            DioProbe::Unknown if kind == BackendKind::BlockDevice => {
+                let lbs = block_sector_size(&file).map_err(|e| io_err("ioctl(BLKSSZGET)", e))?;
+                DioAlign {
+                    mem: lbs,
+                    offset: lbs,
+                }
+            }
+            DioProbe::Unknown => DioAlign {
+                mem: 512,
+                offset: 512,
+            },
+        };
+        let lbs = align.offset.max(SECTOR_SIZE as u32);
+        if !lbs.is_power_of_two() || lbs > 65536 || !align.mem.is_power_of_two() {
+            return Err(Error::BadBlockSize {
+                path: path.to_owned(),
+                size: align.offset,
+            });
+        }
+        if !size.is_multiple_of(u64::from(lbs)) {
+            return Err(unaligned(lbs));
+        }
+        logical_block_size = lbs;
+        dio = Some(DioAlign {
+            mem: align.mem,
+            offset: lbs,
+        });
+    }
+
+    Ok(Backend {
+        kind,
+        path: Some(path.to_owned()),
+        file: Some(file),
+        map: None,
+        size,
+        logical_block_size,
+        dio,
+        read_only: opts.read_only,
+        cache: opts.cache,
+        serial: serial_from_path(path),
+        caps: FallocCaps::default(),
+    })
+}
+
+/// `BLKSSZGET`: the logical block size of a block device.
+fn block_sector_size(file: &File) -> io::Result<u32> {
+    let mut lbs: libc::c_int = 0;
+    // SAFETY: BLKSSZGET writes one int through the pointer, which points to a live local.
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), libc::BLKSSZGET, &mut lbs) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    u32::try_from(lbs).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+fn open_mem(size: u64, opts: &OpenOptions) -> Result<Backend, Error> {
+    check_sector_multiple(size)?;
+    let mem_err = |op, source| Error::Mem { size, op, source };
+    let len = usize::try_from(size)
+        .map_err(|_| mem_err("mmap", io::Error::from_raw_os_error(libc::ENOMEM)))?;
+    let off = libc::off_t::try_from(size)
+        .map_err(|_| mem_err("ftruncate", io::Error::from_raw_os_error(libc::EFBIG)))?;
+    // SAFETY: the name is a NUL-terminated string literal; flags are valid.
+    let fd = unsafe { libc::memfd_create(c"vblk-mem".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(mem_err("memfd_create", io::Error::last_os_error()));
+    }
+    // SAFETY: memfd_create just returned this descriptor and nothing else owns it.
+    let file = unsafe { File::from_raw_fd(fd) };
+    // SAFETY: plain syscall on a descriptor we own.
+    if unsafe { libc::ftruncate(file.as_raw_fd(), off) } != 0 {
+        return Err(mem_err("ftruncate", io::Error::last_os_error()));
+    }
+    let prot = if opts.read_only {
+        libc::PROT_READ
+    } else {
+        libc::PROT_READ | libc::PROT_WRITE
+    };
+    // SAFETY: a fresh shared mapping of our own memfd, `len` bytes (> 0) from
+    // offset 0, at an address of the kernel's choice; it aliases no Rust object.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            prot,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(mem_err("mmap", io::Error::last_os_error()));
+    }
+    let ptr = NonNull::new(ptr.cast::<u8>())
+        .ok_or_else(|| mem_err("mmap", io::Error::from_raw_os_error(libc::ENOMEM)))?;
+    let mut backend = Backend::bare(BackendKind::Mem, size, "vblk-mem", opts);
+    backend.file = Some(file);
+    backend.map = Some(MemMap { ptr, len });
+    Ok(backend)
+}
+
+/// The file name, or its last 20 bytes (cut at a character boundary) if longer.
+fn serial_from_path(path: &Path) -> String {
+    let name = match path.file_name() {
+        Some(name) => name.to_string_lossy().into_owned(),
+        None => return "vblk-disk".to_owned(),
+    };
+    let mut start = name.len().saturating_sub(SERIAL_MAX);
+    while !name.is_char_boundary(start) {
+        start += 1;
+    }
+    name[start..].to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serials() {
+        assert_eq!(serial_from_path(Path::new("/a/disk.img")), "disk.img");
+        assert_eq!(
+            serial_from_path(Path::new("/a/a-very-long-disk-image-name.qcow")),
+            "disk-image-name.qcow"
+        );
+        assert_eq!(serial_from_path(Path::new("/dev/loop0")), "loop0");
+        let s = serial_from_path(Path::new("/ééééééééééééé.img"));
+        assert!(s.len() <= SERIAL_MAX && s.ends_with(".img"), "{s}");
+    }
+
+    #[test]
+    fn cache_mode_parses() {
+        assert_eq!("none".parse::<CacheMode>().unwrap(), CacheMode::None);
+        assert_eq!(
+            "writeback".parse::<CacheMode>().unwrap(),
+            CacheMode::Writeback
+        );
+        assert_eq!(
+            "direct".parse::<CacheMode>().unwrap_err().to_string(),
+            "unknown cache mode \"direct\" (expected none or writeback)"
+        );
+        assert_eq!(CacheMode::default(), CacheMode::Writeback);
+    }
+}

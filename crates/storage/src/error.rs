@@ -1,0 +1,204 @@
+//! The crate's error type: everything that can go wrong while naming, opening or
+//! setting up a disk. Errors of single operations are errnos in
+//! [`Completion::result`](crate::Completion), never this type.
+
+use std::io;
+use std::path::PathBuf;
+
+use crate::spec::format_size;
+
+/// Why a disk could not be named, opened or given an engine.
+///
+/// Messages say what was expected and what was found, with the numbers and the
+/// path: `/x/y.img: size 1000 is not a multiple of 512`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A disk spec was the empty string.
+    #[error("empty disk spec (expected PATH, mem:SIZE or null:SIZE)")]
+    EmptySpec,
+    /// A size was the empty string.
+    #[error(
+        "empty size (expected a number with an optional K, M, G or T suffix, e.g. 512, 4K, 1G)"
+    )]
+    EmptySize,
+    /// A size that is not a number with a known suffix.
+    #[error(
+        "size {input:?} is not a number with an optional K, M, G or T suffix (e.g. 512, 4K, 1G)"
+    )]
+    BadSize {
+        /// The text that was given.
+        input: String,
+    },
+    /// A size larger than 2^64 - 1 bytes.
+    #[error("size {input:?} does not fit in 64 bits")]
+    SizeOverflow {
+        /// The text that was given.
+        input: String,
+    },
+    /// A size of 0 bytes.
+    #[error("size 0 is not allowed (a disk holds at least 512 bytes)")]
+    ZeroSize,
+    /// A size that is not a multiple of the 512-byte sector.
+    #[error("size {size} is not a multiple of 512")]
+    UnalignedSize {
+        /// The size in bytes.
+        size: u64,
+    },
+    /// A cache mode other than `none` or `writeback`.
+    #[error("unknown cache mode {input:?} (expected none or writeback)")]
+    BadCacheMode {
+        /// The text that was given.
+        input: String,
+    },
+    /// An engine name other than `io_uring` or `sync`.
+    #[error("unknown engine {input:?} (expected io_uring or sync)")]
+    BadEngineKind {
+        /// The text that was given.
+        input: String,
+    },
+    /// The file or device could not be opened.
+    #[error("{}: {}", path.display(), errno_text(source))]
+    Open {
+        /// The path that was opened.
+        path: PathBuf,
+        /// What `open(2)` said.
+        #[source]
+        source: io::Error,
+    },
+    /// A system call on an opened file or device failed.
+    #[error("{}: {op}: {}", path.display(), errno_text(source))]
+    Io {
+        /// The file or device.
+        path: PathBuf,
+        /// The call that failed, e.g. `ioctl(BLKGETSIZE64)`.
+        op: &'static str,
+        /// What it said.
+        #[source]
+        source: io::Error,
+    },
+    /// The path names a directory, character device, FIFO or socket.
+    #[error("{}: not a regular file or block device", path.display())]
+    NotADisk {
+        /// The path.
+        path: PathBuf,
+    },
+    /// A file or device whose size is not a whole number of blocks.
+    #[error("{}: size {size} is not a multiple of {block}", path.display())]
+    UnalignedFile {
+        /// The file or device.
+        path: PathBuf,
+        /// Its size in bytes.
+        size: u64,
+        /// The block size it must be a multiple of: 512, or the O_DIRECT block size.
+        block: u32,
+    },
+    /// `cache=none` on a file system that has no O_DIRECT.
+    #[error("{}: the file system does not support O_DIRECT (cache=none); use cache=writeback", path.display())]
+    DirectUnsupported {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The O_DIRECT block size reported for the file is unusable.
+    #[error("{}: O_DIRECT block size {size} is not a power of two from 512 to 65536", path.display())]
+    BadBlockSize {
+        /// The file or device.
+        path: PathBuf,
+        /// The block size that was reported.
+        size: u32,
+    },
+    /// A RAM disk could not be created.
+    #[error("mem:{}: {op}: {}", format_size(*size), errno_text(source))]
+    Mem {
+        /// Its size in bytes.
+        size: u64,
+        /// The call that failed, e.g. `mmap`.
+        op: &'static str,
+        /// What it said.
+        #[source]
+        source: io::Error,
+    },
+    /// An engine depth of 0, or more than an engine can hold.
+    #[error("engine depth {depth} is out of range 1..={max}")]
+    Depth {
+        /// The depth that was asked for.
+        depth: u32,
+        /// The largest depth allowed.
+        max: u32,
+    },
+    /// The kernel refused to set up an engine (e.g. io_uring disabled).
+    #[error("{engine} engine with depth {depth}: {}", errno_text(source))]
+    EngineSetup {
+        /// The engine's name.
+        engine: &'static str,
+        /// The depth that was asked for.
+        depth: u32,
+        /// What the kernel said.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl Error {
+    /// The errno behind this error, when a system call failed.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            Error::Open { source, .. }
+            | Error::Io { source, .. }
+            | Error::Mem { source, .. }
+            | Error::EngineSetup { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+/// `io::Error`'s text without the trailing ` (os error N)`, so that messages read
+/// like the C tools': `/x/y.img: No such file or directory`.
+fn errno_text(e: &io::Error) -> String {
+    let text = e.to_string();
+    match e.raw_os_error() {
+        Some(code) => {
+            let suffix = format!(" (os error {code})");
+            text.strip_suffix(&suffix).unwrap_or(&text).to_owned()
+        }
+        None => text,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn open_error_reads_like_c() {
+        let e = Error::Open {
+            path: "/x/y.img".into(),
+            source: io::Error::from_raw_os_error(libc::ENOENT),
+        };
+        assert_eq!(e.to_string(), "/x/y.img: No such file or directory");
+        assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
+    }
+
+    #[test]
+    fn unaligned_file_names_the_numbers() {
+        let e = Error::UnalignedFile {
+            path: "/x/y.img".into(),
+            size: 1000,
+            block: 512,
+        };
+        assert_eq!(
+            e.to_string(),
+            "/x/y.img: size 1000 is not a multiple of 512"
+        );
+    }
+
+    #[test]
+    fn mem_error_names_the_size() {
+        let e = Error::Mem {
+            size: 1 << 30,
+            op: "mmap",
+            source: io::Error::from_raw_os_error(libc::ENOMEM),
+        };
+        assert_eq!(e.to_string(), "mem:1G: mmap: Cannot allocate memory");
+    }
+}

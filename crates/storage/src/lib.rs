@@ -1,0 +1,43 @@
+//! Where vblk's bytes live: disk backends and the I/O engines that move bytes
+//! between them and the buffers a device hands over. Nothing here knows virtio.
+//!
+//! A disk is named by a [`DiskSpec`] (`PATH`, `mem:SIZE`, `null:SIZE`), opened
+//! once as a [`Backend`] shared behind an `Arc`, and each worker thread gets its
+//! own [`Engine`] from [`Backend::engine`]: push [`Op`]s with tokens, `submit`
+//! them in one go, `reap` [`Completion`]s.
+//!
+//! Module map:
+//!
+//! | module | holds |
+//! | --- | --- |
+//! | `spec` | [`DiskSpec`] and [`parse_size`]: the SPEC and size grammars |
+//! | `error` | [`Error`]: everything that fails while naming, opening or setting up |
+//! | `backend` | [`Backend`], [`OpenOptions`], [`CacheMode`], [`BackendKind`]: opening files, block devices (`BLKGETSIZE64`, `BLKSSZGET`), RAM disks (memfd + mmap) and null disks |
+//! | `engine` | the contract: [`Engine`], [`Op`], [`Completion`], [`Full`], [`EngineKind`]; the completion ring and iovec checks the engines share |
+//! | `uring_engine` | the io_uring engine: one ring per engine, eventfd, slots indexed by `user_data` |
+//! | `sync_engine` | the sync engine: `preadv2`/`pwritev2` inside `submit` |
+//! | `inline` | the RAM and null disks' engine: memcpy/memset inside `submit` |
+//! | `sysio` | synchronous I/O both file engines share: short transfers, flush, discard and write-zeroes with their fallbacks |
+//! | `bounce` | O_DIRECT alignment (`statx` `STATX_DIOALIGN`) and pooled aligned bounce buffers |
+//!
+//! Rules the engines keep: no heap allocation per operation once warm (slots,
+//! completion rings and bounce buffers are preallocated or pooled and reused);
+//! short reads and writes are finished, never reported as success; every error
+//! is an errno in [`Completion::result`], never a panic.
+
+#![deny(missing_docs)]
+
+mod backend;
+mod bounce;
+mod engine;
+mod error;
+mod inline;
+mod spec;
+mod sync_engine;
+mod sysio;
+mod uring_engine;
+
+pub use backend::{Backend, BackendKind, CacheMode, OpenOptions};
+pub use engine::{Completion, Engine, EngineKind, Full, Op, MAX_DEPTH};
+pub use error::Error;
+pub use spec::{format_size, parse_size, DiskSpec, SECTOR_SIZE};

@@ -1,0 +1,143 @@
+//! The SPEC grammar that names a disk everywhere in vblk (`PATH`, `mem:SIZE`,
+//! `null:SIZE`) and the size grammar inside it (`512`, `4K`, `1GiB`, ...).
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use crate::error::Error;
+
+/// The sector size: every disk size and every I/O is a multiple of it.
+pub const SECTOR_SIZE: u64 = 512;
+
+/// What a disk is: the SPEC grammar used wherever vblk names a disk.
+///
+/// `PATH` names a regular file or a block device, `mem:SIZE` a RAM disk of SIZE
+/// bytes, `null:SIZE` a disk that reads zeroes and drops writes. A file whose name
+/// starts with `mem:` or `null:` is written `./mem:...`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DiskSpec {
+    /// A regular file or a block device.
+    File(PathBuf),
+    /// A RAM disk of this many bytes.
+    Mem(u64),
+    /// A null disk of this many bytes.
+    Null(u64),
+}
+
+impl FromStr for DiskSpec {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        if s.is_empty() {
+            return Err(Error::EmptySpec);
+        }
+        if let Some(size) = s.strip_prefix("mem:") {
+            return Ok(DiskSpec::Mem(parse_size(size)?));
+        }
+        if let Some(size) = s.strip_prefix("null:") {
+            return Ok(DiskSpec::Null(parse_size(size)?));
+        }
+        Ok(DiskSpec::File(PathBuf::from(s)))
+    }
+}
+
+impl fmt::Display for DiskSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DiskSpec::File(path) => {
+                let text = path.to_string_lossy();
+                if path.is_relative() && (text.starts_with("mem:") || text.starts_with("null:")) {
+                    write!(f, "{}", Path::new(".").join(path).display())
+                } else {
+                    write!(f, "{}", path.display())
+                }
+            }
+            DiskSpec::Mem(size) => write!(f, "mem:{}", format_size(*size)),
+            DiskSpec::Null(size) => write!(f, "null:{}", format_size(*size)),
+        }
+    }
+}
+
+/// Parses a disk size: a decimal number with an optional binary suffix,
+/// `K`/`k`/`KiB`, `M`/`m`/`MiB`, `G`/`g`/`GiB`, `T`/`t`/`TiB` (powers of 1024).
+///
+/// The result is greater than 0 and a multiple of 512:
+/// `parse_size("1000")` fails with `size 1000 is not a multiple of 512`.
+pub fn parse_size(s: &str) -> Result<u64, Error> {
+    if s.is_empty() {
+        return Err(Error::EmptySize);
+    }
+    let digits_end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, suffix) = s.split_at(digits_end);
+    if digits.is_empty() {
+        return Err(Error::BadSize {
+            input: s.to_owned(),
+        });
+    }
+    let shift = match suffix.to_ascii_lowercase().as_str() {
+        "" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        "t" | "tib" => 40,
+        _ => {
+            return Err(Error::BadSize {
+                input: s.to_owned(),
+            })
+        }
+    };
+    let overflow = || Error::SizeOverflow {
+        input: s.to_owned(),
+    };
+    let number: u64 = digits.parse().map_err(|_| overflow())?;
+    let size = number.checked_mul(1u64 << shift).ok_or_else(overflow)?;
+    if size == 0 {
+        return Err(Error::ZeroSize);
+    }
+    if !size.is_multiple_of(SECTOR_SIZE) {
+        return Err(Error::UnalignedSize { size });
+    }
+    Ok(size)
+}
+
+/// Writes a size in the largest unit that divides it exactly: `1G`, `1536K`, `512`.
+/// [`parse_size`] reads it back to the same number.
+pub fn format_size(size: u64) -> String {
+    const UNITS: [(u32, &str); 4] = [(40, "T"), (30, "G"), (20, "M"), (10, "K")];
+    for (shift, unit) in UNITS {
+        if size != 0 && size.is_multiple_of(1u64 << shift) {
+            return format!("{}{unit}", size >> shift);
+        }
+    }
+    size.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512").unwrap(), 512);
+        assert_eq!(parse_size("4K").unwrap(), 4096);
+        assert_eq!(parse_size("4k").unwrap(), 4096);
+        assert_eq!(parse_size("4KiB").unwrap(), 4096);
+        assert_eq!(parse_size("1M").unwrap(), 1 << 20);
+        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_size("3g").unwrap(), 3 << 30);
+        assert_eq!(parse_size("1GiB").unwrap(), 1 << 30);
+        assert_eq!(parse_size("2T").unwrap(), 2 << 40);
+        assert_eq!(parse_size("2tib").unwrap(), 2 << 40);
+    }
+
+    #[test]
+    fn format_round_trips() {
+        for size in [512, 1536, 4096, 3 << 20, 1 << 30, 5 << 40, (1 << 30) + 512] {
+            assert_eq!(parse_size(&format_size(size)).unwrap(), size, "{size}");
+        }
+        assert_eq!(format_size(1 << 30), "1G");
+        assert_eq!(format_size(1536), "1536");
+        assert_eq!(format_size(3 << 19), "1536K");
+    }
+}

@@ -1,0 +1,62 @@
+//! The `vblk` command line: one subcommand per job.
+
+use std::error::Error;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use crate::serve::ServeArgs;
+
+/// vblk — a userspace virtio-blk stack.
+///
+/// `vblk serve` is a vhost-user-blk device daemon that QEMU, Cloud Hypervisor and other
+/// vhost-user frontends attach virtio-blk disks to.
+#[derive(Debug, Parser)]
+#[command(name = "vblk", version, about, long_about = None)]
+pub struct Cli {
+    /// How much to log on stderr.
+    #[arg(long, global = true, value_enum, default_value_t = LogLevel::Info)]
+    pub log_level: LogLevel,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Log verbosity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogLevel {
+    /// Only errors.
+    Error,
+    /// Errors and warnings (bad requests, disk errors).
+    Warn,
+    /// Plus connections, queue summaries.
+    Info,
+    /// Plus negotiation details.
+    Debug,
+    /// Everything.
+    Trace,
+}
+
+/// What to do.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve a disk to a VM as a vhost-user-blk device.
+    Serve(ServeArgs),
+}
+
+/// Run the parsed command line.
+pub fn run(cli: Cli) -> Result<(), Box<dyn Error>> {
+    let level = match cli.log_level {
+        LogLevel::Error => log::LevelFilter::Error,
+        LogLevel::Warn => log::LevelFilter::Warn,
+        LogLevel::Info => log::LevelFilter::Info,
+        LogLevel::Debug => log::LevelFilter::Debug,
+        LogLevel::Trace => log::LevelFilter::Trace,
+    };
+    env_logger::Builder::new()
+        .filter_level(level)
+        .format_timestamp_micros()
+        .target(env_logger::Target::Stderr)
+        .init();
+    match cli.command {
+        Command::Serve(args) => crate::serve::run(args),
+    }
+}

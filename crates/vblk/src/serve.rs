@@ -1,0 +1,140 @@
+//! `vblk serve`: the vhost-user-blk device daemon.
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+
+use clap::Args;
+use device::config::{DEFAULT_NUM_QUEUES, DEFAULT_POLL_US, DEFAULT_QUEUE_SIZE};
+use device::{DeviceConfig, Listen};
+use storage::{CacheMode, DiskSpec, EngineKind};
+
+/// Serve a disk as a vhost-user-blk device.
+///
+/// Follows the vhost-user "backend program conventions" (QEMU docs/interop/vhost-user.rst):
+/// `--socket-path` or `--fd`, `--print-capabilities`, `--blk-file`, `--read-only`.
+///
+/// Example, with QEMU:
+///
+///   vblk serve --socket-path /tmp/vblk.sock --blk-file disk.img --num-queues 2
+///
+///   qemu-system-x86_64 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on
+///     -numa node,memdev=mem -chardev socket,id=vblk0,path=/tmp/vblk.sock
+///     -device vhost-user-blk-pci,chardev=vblk0,num-queues=2 ...
+#[derive(Debug, Args)]
+#[command(verbatim_doc_comment)]
+pub struct ServeArgs {
+    /// Unix socket to listen on for the frontend (created; a stale socket is replaced, a
+    /// live one is refused).
+    #[arg(long, value_name = "PATH", conflicts_with = "fd")]
+    pub socket_path: Option<PathBuf>,
+
+    /// Already listening Unix socket inherited from the caller (systemd socket activation).
+    #[arg(long, value_name = "FD")]
+    pub fd: Option<i32>,
+
+    /// Print the vhost-user backend capabilities as JSON and exit.
+    #[arg(long)]
+    pub print_capabilities: bool,
+
+    /// The disk: a raw image file or block device (PATH), a RAM disk (mem:SIZE, e.g.
+    /// mem:1G) or a null disk (null:SIZE: reads return zeroes, writes are dropped). SIZE
+    /// takes K, M, G, T suffixes (powers of 1024) and must be a multiple of 512.
+    #[arg(long, value_name = "SPEC")]
+    pub blk_file: Option<DiskSpec>,
+
+    /// Export the disk read-only: writes, discards and write-zeroes fail with IOERR.
+    #[arg(long)]
+    pub read_only: bool,
+
+    /// Host cache: `none` opens with O_DIRECT (bounce buffers only for unaligned guest
+    /// buffers); `writeback` uses the page cache. Either way FLUSH is an fdatasync.
+    #[arg(long, value_name = "MODE", default_value = "writeback", value_parser = parse_cache)]
+    pub cache: CacheMode,
+
+    /// The GET_ID serial string (at most 20 bytes) [default: derived from the disk:
+    /// the image's file name, "vblk-mem" or "vblk-null"].
+    #[arg(long, value_name = "STRING")]
+    pub serial: Option<String>,
+
+    /// Number of virtqueues offered (1-64).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_NUM_QUEUES)]
+    pub num_queues: u16,
+
+    /// Worker threads; queue i is served by worker i % T, each queue by exactly one.
+    #[arg(long, value_name = "T", default_value_t = 1)]
+    pub threads: usize,
+
+    /// Largest virtqueue size offered (power of two); seg_max is this minus 2.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_QUEUE_SIZE)]
+    pub queue_size: u16,
+
+    /// Storage engine for file and block-device disks: `io_uring` (batched submission,
+    /// one submit per pass) or `sync` (preadv/pwritev on the worker). RAM and null disks
+    /// are served in memory by either.
+    #[arg(long, value_name = "ENGINE", default_value = "io_uring", value_parser = parse_engine)]
+    pub engine: EngineKind,
+
+    /// After its queues run dry a worker keeps polling for up to this many microseconds
+    /// (adapting down when polling finds nothing) before it re-enables notifications and
+    /// sleeps; 0 never spins.
+    #[arg(long, value_name = "US", default_value_t = DEFAULT_POLL_US)]
+    pub poll_us: u64,
+}
+
+fn parse_cache(s: &str) -> Result<CacheMode, String> {
+    s.parse().map_err(|e: storage::Error| e.to_string())
+}
+
+fn parse_engine(s: &str) -> Result<EngineKind, String> {
+    s.parse().map_err(|e: storage::Error| e.to_string())
+}
+
+/// The backend capabilities for `--print-capabilities` (vhost-user.rst, "block" type).
+pub fn capabilities() -> serde_json::Value {
+    serde_json::json!({
+        "type": "block",
+        "features": ["read-only", "blk-file"]
+    })
+}
+
+impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
+    type Error = String;
+
+    fn try_from(a: ServeArgs) -> Result<Self, String> {
+        let listen = match (a.socket_path, a.fd) {
+            (Some(p), None) => Listen::Path(p),
+            (None, Some(fd)) if fd >= 0 => Listen::Fd(fd),
+            (None, Some(fd)) => return Err(format!("--fd {fd}: not a file descriptor")),
+            _ => return Err("one of --socket-path PATH or --fd FD is required".into()),
+        };
+        let disk = a
+            .blk_file
+            .ok_or("--blk-file SPEC is required (a PATH, mem:SIZE or null:SIZE)")?;
+        let config = DeviceConfig {
+            disk,
+            read_only: a.read_only,
+            cache: a.cache,
+            serial: a.serial,
+            num_queues: a.num_queues,
+            threads: a.threads,
+            queue_size: a.queue_size,
+            engine: a.engine,
+            poll_us: a.poll_us,
+        };
+        config.validate().map_err(|e| e.to_string())?;
+        Ok((config, listen))
+    }
+}
+
+/// `vblk serve`.
+pub fn run(args: ServeArgs) -> Result<(), Box<dyn Error>> {
+    if args.print_capabilities {
+        println!("{}", capabilities());
+        return Ok(());
+    }
+    let (config, listen) = <(DeviceConfig, Listen)>::try_from(args)?;
+    let stop = AtomicBool::new(false);
+    device::serve(&config, &listen, &stop, &mut || {})?;
+    Ok(())
+}

@@ -1,0 +1,238 @@
+//! vhost-user-blk backends run as child processes: `vblk serve` (the thing
+//! under test) or qemu-storage-daemon (the reference, to validate the tests).
+
+use std::fs;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use super::guest::{find_program, require_programs};
+
+/// Which program serves the disks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// `vblk serve`, the binary of this crate.
+    Vblk,
+    /// `qemu-storage-daemon --export type=vhost-user-blk`.
+    QemuStorageDaemon,
+}
+
+impl Backend {
+    /// `$VBLK_GUEST_BACKEND`: `vblk` (default) or `qemu-storage-daemon`
+    /// (alias `qsd`), which runs the same guest checks against the reference
+    /// implementation.
+    pub fn from_env() -> Backend {
+        match std::env::var("VBLK_GUEST_BACKEND").as_deref() {
+            Err(_) | Ok("") | Ok("vblk") => Backend::Vblk,
+            Ok("qemu-storage-daemon") | Ok("qsd") => Backend::QemuStorageDaemon,
+            Ok(other) => {
+                panic!("VBLK_GUEST_BACKEND={other}: expected `vblk` or `qemu-storage-daemon`")
+            }
+        }
+    }
+}
+
+/// How to serve one disk.
+#[derive(Debug, Clone)]
+pub struct Export {
+    /// An image path (or, for `vblk`, `mem:SIZE` / `null:SIZE`).
+    pub blk_file: String,
+    pub read_only: bool,
+    pub num_queues: u16,
+    /// `--serial` (vblk only).
+    pub serial: Option<String>,
+    /// More `vblk serve` arguments.
+    pub extra_args: Vec<String>,
+}
+
+impl Export {
+    pub fn new(blk_file: impl AsRef<Path>, num_queues: u16) -> Export {
+        Export {
+            blk_file: blk_file.as_ref().display().to_string(),
+            read_only: false,
+            num_queues,
+            serial: None,
+            extra_args: Vec::new(),
+        }
+    }
+
+    pub fn read_only(mut self) -> Export {
+        self.read_only = true;
+        self
+    }
+
+    pub fn serial(mut self, serial: &str) -> Export {
+        self.serial = Some(serial.into());
+        self
+    }
+}
+
+/// A running backend, killed on drop.
+#[derive(Debug)]
+pub struct Daemon {
+    pub name: String,
+    pub backend: Backend,
+    pub socket: PathBuf,
+    pub log: PathBuf,
+    pub command_line: String,
+    child: Option<Child>,
+}
+
+impl Daemon {
+    /// Starts `backend` serving `export` on `socket` and waits until the
+    /// socket exists. Output goes to `log`.
+    pub fn start(
+        backend: Backend,
+        name: &str,
+        export: &Export,
+        socket: &Path,
+        log: &Path,
+    ) -> Daemon {
+        assert!(
+            socket.as_os_str().len() < 100,
+            "socket path {} is too long for a Unix socket; use a shorter TMPDIR",
+            socket.display()
+        );
+        let _ = fs::remove_file(socket);
+        let mut cmd = match backend {
+            Backend::Vblk => {
+                let mut cmd = Command::new(env!("CARGO_BIN_EXE_vblk"));
+                cmd.arg("serve").arg("--socket-path").arg(socket);
+                cmd.arg("--blk-file").arg(&export.blk_file);
+                cmd.arg("--num-queues").arg(export.num_queues.to_string());
+                if export.read_only {
+                    cmd.arg("--read-only");
+                }
+                if let Some(s) = &export.serial {
+                    cmd.arg("--serial").arg(s);
+                }
+                cmd.args(["--log-level", "info"]);
+                cmd.args(&export.extra_args);
+                cmd
+            }
+            Backend::QemuStorageDaemon => {
+                require_programs(&[("qemu-storage-daemon", "qemu-system-common")]);
+                assert!(
+                    !export.blk_file.contains(':') && !export.blk_file.contains(','),
+                    "qemu-storage-daemon backend: only plain image paths are supported"
+                );
+                let mut cmd = Command::new(find_program("qemu-storage-daemon").expect("checked"));
+                cmd.arg("--blockdev").arg(format!(
+                    "driver=file,node-name=f,filename={},cache.direct=off{}",
+                    export.blk_file,
+                    if export.read_only {
+                        ",read-only=on"
+                    } else {
+                        ""
+                    }
+                ));
+                cmd.arg("--export").arg(format!(
+                    "type=vhost-user-blk,id=e,node-name=f,addr.type=unix,addr.path={},num-queues={},writable={}",
+                    socket.display(),
+                    export.num_queues,
+                    if export.read_only { "off" } else { "on" }
+                ));
+                cmd
+            }
+        };
+        let out = fs::File::create(log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
+        let err = out.try_clone().expect("clone log file");
+        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+        let command_line = format!("{cmd:?}");
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {command_line}: {e}"));
+        let mut daemon = Daemon {
+            name: name.into(),
+            backend,
+            socket: socket.to_path_buf(),
+            log: log.to_path_buf(),
+            command_line,
+            child: Some(child),
+        };
+        daemon.wait_for_socket(Duration::from_secs(30));
+        daemon
+    }
+
+    fn wait_for_socket(&mut self, limit: Duration) {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.exit_status() {
+                panic!(
+                    "{} exited ({status}) before creating its socket\n{}",
+                    self.name,
+                    self.describe()
+                );
+            }
+            let is_socket = fs::metadata(&self.socket)
+                .map(|m| m.file_type().is_socket())
+                .unwrap_or(false);
+            if is_socket {
+                // The path appears at bind(); give listen() a moment.
+                std::thread::sleep(Duration::from_millis(100));
+                return;
+            }
+            if start.elapsed() > limit {
+                panic!(
+                    "{} did not create {} within {limit:?}\n{}",
+                    self.name,
+                    self.socket.display(),
+                    self.describe()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The exit status if the process has ended.
+    pub fn exit_status(&mut self) -> Option<ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().expect("try_wait"))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// Command line and log, for failure messages.
+    pub fn describe(&self) -> String {
+        let log = fs::read(&self.log)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        let tail = &lines[lines.len().saturating_sub(200)..];
+        format!(
+            "---- {} (pid {}) ----\ncommand: {}\n---- {} log (last {} lines) ----\n{}",
+            self.name,
+            self.pid(),
+            self.command_line,
+            self.name,
+            tail.len(),
+            tail.join("\n")
+        )
+    }
+
+    /// Asserts that the daemon is still the same running process.
+    pub fn assert_running(&mut self, when: &str) {
+        if let Some(status) = self.exit_status() {
+            panic!(
+                "{} (pid {}) is not running {when}: exited with {status}\n{}",
+                self.name,
+                self.pid(),
+                self.describe()
+            );
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = fs::remove_file(&self.socket);
+    }
+}

@@ -1,0 +1,8 @@
+//! Helpers shared by the end-to-end tests of the `vblk` crate.
+//!
+//! Each test binary includes this module with `mod support;` and uses a
+//! subset of it, hence the `dead_code` allowance.
+#![allow(dead_code)]
+
+pub mod daemon;
+pub mod guest;
