@@ -427,3 +427,153 @@ impl SyncIo {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+    use crate::{CacheMode, DiskSpec, EngineKind, OpenOptions};
+
+    fn scratch() -> tempfile::TempDir {
+        let target = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/tmp");
+        std::fs::create_dir_all(target).unwrap();
+        tempfile::Builder::new()
+            .prefix("vblk-sysio-")
+            .tempdir_in(target)
+            .unwrap()
+    }
+
+    #[test]
+    fn zero_stages() {
+        let caps = FallocCaps::default();
+        assert_eq!(ZeroStage::first(&caps, true), ZeroStage::Punch);
+        assert_eq!(ZeroStage::first(&caps, false), ZeroStage::ZeroRange);
+        assert_eq!(
+            ZeroStage::Punch.after(libc::EINVAL, &caps),
+            ZeroStage::ZeroRange
+        );
+        assert_eq!(
+            ZeroStage::first(&caps, true),
+            ZeroStage::Punch,
+            "EINVAL is not learnt"
+        );
+        assert_eq!(
+            ZeroStage::Punch.after(libc::EOPNOTSUPP, &caps),
+            ZeroStage::ZeroRange
+        );
+        assert_eq!(
+            ZeroStage::first(&caps, true),
+            ZeroStage::ZeroRange,
+            "EOPNOTSUPP is"
+        );
+        assert_eq!(
+            ZeroStage::ZeroRange.after(libc::EOPNOTSUPP, &caps),
+            ZeroStage::Write
+        );
+        assert_eq!(ZeroStage::first(&caps, true), ZeroStage::Write);
+        assert_eq!(ZeroStage::first(&caps, false), ZeroStage::Write);
+        assert_eq!(ZeroStage::Write.mode(), None);
+    }
+
+    /// With both fallocate modes marked unsupported, write-zeroes writes zeroes
+    /// (the io_uring engine defers it to submit) and keeps the blocks allocated.
+    #[test]
+    fn write_zeroes_falls_back_to_writing() {
+        let dir = scratch();
+        let path = dir.path().join("disk.img");
+        let size = 2 << 20;
+        std::fs::write(&path, vec![0x33u8; size]).unwrap();
+        for kind in [EngineKind::IoUring, EngineKind::Sync] {
+            for cache in [CacheMode::Writeback, CacheMode::None] {
+                let opts = OpenOptions {
+                    read_only: false,
+                    cache,
+                };
+                let b = Arc::new(Backend::open(&DiskSpec::File(path.clone()), &opts).unwrap());
+                b.caps.no_punch.store(true, Ordering::Relaxed);
+                b.caps.no_zero_range.store(true, Ordering::Relaxed);
+                let blocks = std::fs::metadata(&path).unwrap().blocks();
+                let mut e = b.engine(kind, 4).unwrap();
+                // 1 MiB + 4 KiB: more than one call of the zero buffer.
+                let (off, len) = (8192u64, (1u64 << 20) + 4096);
+                // SAFETY: WriteZeroes lends no buffer.
+                unsafe {
+                    e.push(
+                        1,
+                        Op::WriteZeroes {
+                            offset: off,
+                            len,
+                            unmap: true,
+                        },
+                    )
+                }
+                .unwrap();
+                e.submit().unwrap();
+                let mut got = None;
+                while got.is_none() {
+                    e.reap(&mut |c| got = Some(c.result));
+                    if got.is_none() {
+                        e.wait().unwrap();
+                    }
+                }
+                assert_eq!(got.unwrap().unwrap(), 0);
+                // SAFETY: Flush lends no buffer.
+                unsafe { e.push(2, Op::Flush) }.unwrap();
+                e.wait().unwrap();
+                e.reap(&mut |c| assert!(c.result.is_ok()));
+                let file = std::fs::read(&path).unwrap();
+                let (a, z) = (off as usize, (off + len) as usize);
+                assert!(file[..a].iter().all(|&x| x == 0x33), "{kind} {cache:?}");
+                assert!(file[a..z].iter().all(|&x| x == 0), "{kind} {cache:?}");
+                assert!(file[z..].iter().all(|&x| x == 0x33), "{kind} {cache:?}");
+                assert!(
+                    std::fs::metadata(&path).unwrap().blocks() >= blocks,
+                    "still allocated"
+                );
+                std::fs::write(&path, vec![0x33u8; size]).unwrap();
+            }
+        }
+    }
+
+    /// A durable write whose RWF_DSYNC path runs, and a read continued after a
+    /// partial first transfer (`done` > 0, inside an iovec).
+    #[test]
+    fn rw_from_continues() {
+        let dir = scratch();
+        let path = dir.path().join("disk.img");
+        let data: Vec<u8> = (0..8192u32).map(|i| (i % 253) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+        let mut a = vec![0u8; 1000];
+        let mut b = vec![0u8; 3096];
+        let iov = [
+            libc::iovec {
+                iov_base: a.as_mut_ptr().cast(),
+                iov_len: a.len(),
+            },
+            libc::iovec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: b.len(),
+            },
+        ];
+        // Pretend 700 bytes already arrived: only the rest is read.
+        // SAFETY: the iovecs name live vectors of their lengths.
+        let n = unsafe { rw_from(fd, Dir::Read, 0, &iov, 4096, 700, false) };
+        assert_eq!(n.unwrap(), 4096);
+        assert!(a[..700].iter().all(|&x| x == 0));
+        assert!(a[700..] == data[700..1000]);
+        assert!(b[..] == data[1000..4096]);
+        // SAFETY: as above; a write reads the same buffers.
+        let n = unsafe { rw_from(fd, Dir::Write, 4096, &iov, 4096, 0, true) };
+        assert_eq!(n.unwrap(), 4096);
+        let file = std::fs::read(&path).unwrap();
+        assert!(file[4096..4096 + 700].iter().all(|&x| x == 0));
+        assert!(file[4096 + 1000..] == data[1000..4096]);
+    }
+}

@@ -186,11 +186,44 @@ impl UringEngine {
         let Some(idx) = self.free.pop() else {
             return Err(errno(libc::EAGAIN));
         };
-        let fd = types::Fd(self.io.fd);
         let slot = &mut self.slots[idx as usize];
         slot.token = token;
         slot.work = work;
-        let entry: squeue::Entry = match work {
+        let entry = match self.entry(idx as usize, work) {
+            Ok(Some(entry)) => entry.user_data(u64::from(idx)),
+            Ok(None) => {
+                // Done synchronously in `submit`.
+                self.deferred.push(idx);
+                return Ok(());
+            }
+            Err(e) => {
+                self.release(idx as usize);
+                return Err(e);
+            }
+        };
+        // SAFETY: everything the SQE points to stays valid until its CQE is seen:
+        // the caller's iovecs and buffers by the push contract, the bounce iovec and
+        // buffer because they live in slot `idx`, which is neither reused nor
+        // dropped before that CQE (Drop waits for all of them).
+        if unsafe { self.ring.submission().push(&entry) }.is_err() {
+            // Cannot happen: the SQ holds at least `depth` entries.
+            log::error!(
+                "io_uring submission queue full with {} in flight",
+                self.in_flight
+            );
+            self.release(idx as usize);
+            return Err(errno(libc::EAGAIN));
+        }
+        self.in_kernel += 1;
+        Ok(())
+    }
+
+    /// The SQE for slot `idx` doing `work` (gathering a write into a bounce buffer
+    /// when O_DIRECT needs one); None when the work is done synchronously instead.
+    fn entry(&mut self, idx: usize, work: Work) -> io::Result<Option<squeue::Entry>> {
+        let fd = types::Fd(self.io.fd);
+        let slot = &mut self.slots[idx];
+        Ok(Some(match work {
             Work::Idle => return Err(errno(libc::EINVAL)),
             Work::Rw {
                 dir,
@@ -204,32 +237,22 @@ impl UringEngine {
                 let user = unsafe { iov_slice(iov, iovcnt) }?;
                 let (ptr, cnt) = match self.io.dio {
                     Some(dio) if !dio.fits(user) => {
-                        let len = usize::try_from(total).map_err(|_| errno(libc::EINVAL));
-                        let buf = match len.and_then(|len| self.io.bounce.take(len)) {
-                            Ok(buf) => buf,
-                            Err(e) => {
-                                slot.work = Work::Idle;
-                                self.free.push(idx);
-                                return Err(e);
-                            }
-                        };
+                        let len = usize::try_from(total).map_err(|_| errno(libc::EINVAL))?;
+                        let buf = self.io.bounce.take(len)?;
                         if dir == Dir::Write {
                             // SAFETY: the caller's buffers are readable; the bounce
-                            // holds at least `total` bytes.
+                            // holds at least `len` bytes.
                             unsafe { gather(user, buf.as_mut_ptr()) };
                         }
                         slot.biov = libc::iovec {
                             iov_base: buf.as_mut_ptr().cast(),
-                            iov_len: total as usize,
+                            iov_len: len,
                         };
                         slot.bounce = Some(buf);
                         (&slot.biov as *const libc::iovec, 1)
                     }
-                    _ if user.len() > IOV_MAX => {
-                        // Too many iovecs for one READV/WRITEV: done in pieces in submit.
-                        self.deferred.push(idx);
-                        return Ok(());
-                    }
+                    // Too many iovecs for one READV/WRITEV: done in pieces.
+                    _ if user.len() > IOV_MAX => return Ok(None),
                     _ => (iov, iovcnt),
                 };
                 match dir {
@@ -252,28 +275,9 @@ impl UringEngine {
                     .offset(offset)
                     .mode(mode)
                     .build(),
-                None => {
-                    self.deferred.push(idx);
-                    return Ok(());
-                }
+                None => return Ok(None),
             },
-        };
-        let entry = entry.user_data(u64::from(idx));
-        // SAFETY: everything the SQE points to stays valid until its CQE is seen:
-        // the caller's iovecs and buffers by the push contract, the bounce iovec and
-        // buffer because they live in slot `idx`, which is neither reused nor
-        // dropped before that CQE (Drop waits for all of them).
-        if unsafe { self.ring.submission().push(&entry) }.is_err() {
-            // Cannot happen: the SQ holds at least `depth` entries.
-            log::error!(
-                "io_uring submission queue full with {} in flight",
-                self.in_flight
-            );
-            self.release(idx as usize);
-            return Err(errno(libc::EAGAIN));
-        }
-        self.in_kernel += 1;
-        Ok(())
+        }))
     }
 
     /// Frees slot `idx` and returns its bounce buffer to the pool.

@@ -139,6 +139,15 @@ fn check(name: &str, backend: &Arc<Backend>, kind: EngineKind) {
 /// One test, so that no other test's allocations run on this thread meanwhile.
 #[test]
 fn no_allocation_per_operation() {
+    // The counter sees allocations on this thread.
+    COUNTING.with(|c| c.set(true));
+    drop(std::hint::black_box(vec![1u8; 10]));
+    COUNTING.with(|c| c.set(false));
+    assert!(
+        ALLOCS.load(Ordering::Relaxed) >= 1,
+        "the counting allocator works"
+    );
+
     let dir = scratch();
     let path = make_file(dir.path(), "disk.img", 8 << 20, 1);
     for kind in [EngineKind::IoUring, EngineKind::Sync] {

@@ -120,7 +120,11 @@ fn bad_sizes_say_why() {
             "{bad}"
         );
     }
-    assert_eq!(err("16384T"), "size \"16384T\" does not fit in 64 bits");
+    assert_eq!(
+        err("16777216T"),
+        "size \"16777216T\" does not fit in 64 bits"
+    );
+    assert_eq!(parse_size("16777215T").unwrap(), 16777215 << 40);
     assert_eq!(
         err("18446744073709551616"),
         "size \"18446744073709551616\" does not fit in 64 bits"

@@ -66,6 +66,12 @@ impl Export {
         self.serial = Some(serial.into());
         self
     }
+
+    /// More `vblk serve` arguments (ignored by the reference backend).
+    pub fn args(mut self, args: &[&str]) -> Export {
+        self.extra_args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
 }
 
 /// A running backend, killed on drop.

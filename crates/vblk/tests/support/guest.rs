@@ -193,22 +193,6 @@ fn elf_is_dynamic(data: &[u8]) -> Option<bool> {
     Some(false)
 }
 
-/// Runs a command, returning its stdout, or an error with its stderr.
-fn run(cmd: &mut Command) -> Result<Vec<u8>, String> {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{cmd:?} failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    Ok(out.stdout)
-}
-
 /// Feeds `input` to `program args` and returns its stdout (even when it exits
 /// non-zero, e.g. gzip's "trailing garbage" warning; the caller validates).
 fn filter(program: &Path, args: &[&str], input: &[u8]) -> Result<Vec<u8>, String> {
@@ -356,6 +340,20 @@ fn build_assets() -> Result<Assets, String> {
     let dir = target_dir().join("guest-assets").join(&kver);
     fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
 
+    // QEMU boots an ELF vmlinux through its PVH entry point; without one
+    // (CONFIG_PVH unset) boot the bzImage, which decompresses itself (slower).
+    let config = fs::read_to_string(format!("/boot/config-{kver}")).unwrap_or_default();
+    if !config.is_empty() && !config.lines().any(|l| l == "CONFIG_PVH=y") {
+        let (manifest, build) = plan_initramfs(&kver)?;
+        let initramfs = cached_initramfs(&dir, &manifest, build)?;
+        return Ok(Assets {
+            kernel_version: kver,
+            vmlinux: vmlinuz,
+            initramfs,
+            dir,
+        });
+    }
+
     let vmlinux = dir.join("vmlinux");
     let vstamp = format!("{ASSET_FORMAT}\n{}\n", stamp(&vmlinuz)?);
     let vstamp_path = dir.join("vmlinux.stamp");
@@ -371,21 +369,26 @@ fn build_assets() -> Result<Assets, String> {
         write_atomic(&vstamp_path, vstamp.as_bytes())?;
     }
 
-    let initramfs = dir.join("initramfs.cpio");
     let (manifest, build) = plan_initramfs(&kver)?;
-    let manifest_path = dir.join("initramfs.manifest");
-    if !initramfs.exists() || fs::read_to_string(&manifest_path).ok().as_deref() != Some(&manifest)
-    {
-        let cpio = build()?;
-        write_atomic(&initramfs, &cpio)?;
-        write_atomic(&manifest_path, manifest.as_bytes())?;
-    }
+    let initramfs = cached_initramfs(&dir, &manifest, build)?;
     Ok(Assets {
         kernel_version: kver,
         vmlinux,
         initramfs,
         dir,
     })
+}
+
+/// Returns `dir/initramfs.cpio`, rebuilt first unless its manifest matches.
+fn cached_initramfs(dir: &Path, manifest: &str, build: BuildFn) -> Result<PathBuf, String> {
+    let initramfs = dir.join("initramfs.cpio");
+    let manifest_path = dir.join("initramfs.manifest");
+    if !initramfs.exists() || fs::read_to_string(&manifest_path).ok().as_deref() != Some(manifest) {
+        let cpio = build()?;
+        write_atomic(&initramfs, &cpio)?;
+        write_atomic(&manifest_path, manifest.as_bytes())?;
+    }
+    Ok(initramfs)
 }
 
 /// Extracts the uncompressed ELF kernel from a bzImage, so that QEMU boots it
@@ -794,14 +797,22 @@ fn process_ended(pid: u32) -> bool {
 /// with its group on drop unless it was waited for.
 struct QemuGuard(Option<Child>);
 
+/// Sends `signal` (a name: TERM, KILL) to process group `pgid`, through the
+/// shell's `kill` (std has no kill(2) and this crate no libc dependency).
+/// `kill -SIG -PGID` is understood by dash, bash and busybox sh alike.
+fn signal_group(pgid: u32, signal: &str) {
+    let _ = Command::new("sh")
+        .arg("-c")
+        .arg(format!("kill -{signal} -{pgid} 2>/dev/null"))
+        .stdin(Stdio::null())
+        .status();
+}
+
 impl Drop for QemuGuard {
     fn drop(&mut self) {
         if let Some(mut child) = self.0.take() {
             // `timeout` put itself and QEMU into a process group led by itself.
-            let _ = Command::new("sh")
-                .arg("-c")
-                .arg(format!("kill -KILL -- -{} 2>/dev/null", child.id()))
-                .status();
+            signal_group(child.id(), "KILL");
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -847,7 +858,8 @@ impl Guest {
         self
     }
 
-    /// Overall limit for the QEMU run.
+    /// Overall limit for the QEMU run (`$VBLK_GUEST_TIMEOUT_SECS` overrides it,
+    /// for slow machines).
     pub fn timeout(mut self, timeout: Duration) -> Guest {
         self.timeout = timeout;
         self
@@ -916,7 +928,13 @@ impl Guest {
 
         let serial_path = work.join("serial.log");
         let stderr_path = work.join("qemu.stderr");
-        let secs = self.timeout.as_secs().max(1);
+        let secs = match std::env::var("VBLK_GUEST_TIMEOUT_SECS") {
+            Ok(v) => v
+                .parse::<u64>()
+                .unwrap_or_else(|_| panic!("VBLK_GUEST_TIMEOUT_SECS={v}: not a number")),
+            Err(_) => self.timeout.as_secs(),
+        }
+        .max(1);
         let mut cmd = Command::new(find_program("timeout").expect("checked"));
         cmd.args(["--kill-after=10", &format!("{secs}")]);
         cmd.arg(find_program("qemu-system-x86_64").expect("checked"));
@@ -986,8 +1004,7 @@ impl Guest {
                     // Give QEMU a moment to log the disconnect, then stop it
                     // (TERM to the group of `timeout`, which holds QEMU).
                     std::thread::sleep(Duration::from_millis(500));
-                    let kill = format!("kill -TERM -- -{} 2>/dev/null", qemu.id());
-                    let _ = Command::new("sh").arg("-c").arg(kill).status();
+                    signal_group(qemu.id(), "TERM");
                 }
             }
             std::thread::sleep(Duration::from_millis(50));

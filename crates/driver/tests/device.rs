@@ -1,0 +1,341 @@
+//! The driver against vblk's own device, in one process over a Unix socket in a temp dir.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use device::{DeviceConfig, Listen};
+use storage::{DiskSpec, EngineKind};
+use vblk_driver::disk::supported_protocol_features;
+use vblk_driver::{Disk, DiskOptions, ErrorKind, PathKind, QueueOptions};
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+
+/// A device serving `config` on a fresh socket; it runs until the test process exits.
+fn start(config: DeviceConfig) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("vblk.sock");
+    let listen = Listen::Path(sock.clone());
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        static STOP: AtomicBool = AtomicBool::new(false);
+        let r = device::serve(&config, &listen, &STOP, &mut || tx.send(()).unwrap());
+        if let Err(e) = r {
+            panic!("device failed: {e}");
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("device did not start");
+    (dir, sock)
+}
+
+fn mem_device(queues: u16) -> DeviceConfig {
+    DeviceConfig {
+        disk: DiskSpec::Mem(64 << 20),
+        num_queues: queues,
+        threads: 1,
+        ..Default::default()
+    }
+}
+
+/// A deterministic pseudo-random generator (xorshift), so failures reproduce.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut r = Rng(seed | 1);
+    (0..len).map(|_| r.next() as u8).collect()
+}
+
+#[test]
+fn info_reports_what_the_device_offers() {
+    let (_d, sock) = start(DeviceConfig {
+        serial: Some("vblk-test-serial".into()),
+        ..mem_device(2)
+    });
+    let disk = Disk::attach(&sock, &DiskOptions::default()).unwrap();
+    let i = disk.info();
+    assert_eq!(i.capacity_bytes, 64 << 20);
+    assert_eq!(i.capacity_sectors, (64 << 20) / 512);
+    assert_eq!(i.logical_block_size, 512);
+    assert_eq!(i.num_queues, 2);
+    assert_eq!(i.device_queues, 2);
+    assert_eq!(i.serial, "vblk-test-serial");
+    assert!(i.flush && i.discard && i.write_zeroes && !i.read_only);
+    assert!(i.indirect && i.event_idx);
+    assert_eq!(i.seg_max, 254);
+    assert_eq!(i.size_max, 1 << 20);
+    assert!(i.max_discard_sectors > 0 && i.max_write_zeroes_sectors > 0);
+    for f in ["FLUSH", "DISCARD", "WRITE_ZEROES", "MQ", "VERSION_1"] {
+        assert!(i.feature_names.iter().any(|n| n == f), "{f} missing");
+    }
+    assert_eq!(
+        i.protocol_feature_names,
+        ["MQ", "REPLY_ACK", "CONFIG", "CONFIGURE_MEM_SLOTS"]
+    );
+}
+
+/// Random offsets and sizes written on every queue, then read back and compared.
+fn integrity(sock: &PathBuf, opts: &DiskOptions, rounds: usize) {
+    let disk = Disk::attach(sock, opts).unwrap();
+    let cap = disk.info().capacity_bytes;
+    let queues = disk.take_queues();
+    assert_eq!(queues.len(), usize::from(disk.info().num_queues));
+    let mut handles = Vec::new();
+    for (qi, mut q) in queues.into_iter().enumerate() {
+        // Each queue owns a disjoint stripe of the disk.
+        let stripe = cap / u64::from(disk.info().num_queues);
+        let base = stripe * qi as u64;
+        handles.push(std::thread::spawn(move || {
+            let mut rng = Rng(0x9E37_79B9 + qi as u64);
+            let mut written = Vec::new();
+            for r in 0..rounds {
+                let sectors = 1 + rng.next() % 64;
+                let len = (sectors * 512) as usize;
+                let off = base + (rng.next() % ((stripe - len as u64) / 512)) * 512;
+                let seed = (qi * 100_000 + r) as u64;
+                let mut buf = q.alloc(len).unwrap();
+                buf.copy_from_slice(&pattern(seed, len));
+                q.write(off, buf, r as u64).unwrap();
+                let c = q.wait(Some(Duration::from_secs(10))).unwrap();
+                assert_eq!(c.token, r as u64);
+                c.result.unwrap();
+                written.retain(|&(o, l, _): &(u64, usize, u64)| {
+                    off + len as u64 <= o || o + l as u64 <= off
+                });
+                written.push((off, len, seed));
+            }
+            q.flush_sync().unwrap();
+            for (off, len, seed) in written {
+                let mut got = vec![0u8; len];
+                q.read_at(off, &mut got).unwrap();
+                assert!(
+                    got == pattern(seed, len),
+                    "queue {qi}: mismatch at {off} + {len}"
+                );
+            }
+        }));
+    }
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn data_written_reads_back_on_every_queue() {
+    let (_d, sock) = start(DeviceConfig {
+        threads: 2,
+        ..mem_device(4)
+    });
+    integrity(&sock, &DiskOptions::default(), 200);
+}
+
+#[test]
+fn integrity_holds_without_indirect_or_event_idx_and_on_the_batch_path() {
+    let (_d, sock) = start(mem_device(2));
+    let opts = DiskOptions {
+        indirect: false,
+        event_idx: false,
+        queue: QueueOptions {
+            path: PathKind::Batch,
+            batch: 4,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    integrity(&sock, &opts, 100);
+}
+
+#[test]
+fn file_disk_with_io_uring_and_o_direct() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let img = dir.path().join("disk.img");
+    std::fs::write(&img, vec![0u8; 16 << 20]).unwrap();
+    let (_d, sock) = start(DeviceConfig {
+        disk: DiskSpec::File(img.clone()),
+        cache: storage::CacheMode::None,
+        engine: EngineKind::IoUring,
+        ..Default::default()
+    });
+    integrity(&sock, &DiskOptions::default(), 100);
+    // What the driver wrote is in the file.
+    let disk = Disk::attach(&sock, &DiskOptions::default()).unwrap();
+    let mut q = disk.take_queue(0).unwrap();
+    q.write_at(4096, &pattern(7, 8192)).unwrap();
+    q.flush_sync().unwrap();
+    drop(q);
+    let bytes = std::fs::read(&img).unwrap();
+    assert!(bytes[4096..4096 + 8192] == pattern(7, 8192)[..]);
+}
+
+#[test]
+fn big_io_is_split_and_completes_once() {
+    let (_d, sock) = start(mem_device(1));
+    // A small seg_max (queue size 16 → seg_max 14) with 1 MiB size_max: 32 MiB needs 3 requests.
+    let opts = DiskOptions {
+        queue_size: 16,
+        ..Default::default()
+    };
+    let disk = Disk::attach(&sock, &opts).unwrap();
+    assert_eq!(disk.info().seg_max, 254, "device offers its own seg_max");
+    let mut q = disk.take_queue(0).unwrap();
+    let len = 32 << 20;
+    let mut buf = q.alloc(len).unwrap();
+    buf.copy_from_slice(&pattern(11, len));
+    q.write(0, buf, 42).unwrap();
+    let c = q.wait(None).unwrap();
+    assert_eq!((c.token, c.result), (42, Ok(())));
+    assert!(q.poll().is_none(), "one completion for one I/O");
+    let back = q.alloc(len).unwrap();
+    q.read(0, back, 43).unwrap();
+    let c = q.wait(None).unwrap();
+    assert_eq!(c.token, 43);
+    assert!(*c.bufs.into_one().unwrap() == pattern(11, len)[..]);
+    // readv across several buffers of odd (but aligned) sizes.
+    let bufs = vec![
+        q.alloc(512).unwrap(),
+        q.alloc(3 << 20).unwrap(),
+        q.alloc(1536).unwrap(),
+    ];
+    q.readv(0, bufs, 44).unwrap();
+    let c = q.wait(None).unwrap();
+    let all: Vec<u8> = c.bufs.into_vec().iter().flat_map(|b| b.to_vec()).collect();
+    assert!(all == pattern(11, len)[..all.len()]);
+}
+
+#[test]
+fn full_ring_backpressure_waits_instead_of_failing() {
+    let (_d, sock) = start(mem_device(1));
+    let opts = DiskOptions {
+        queue_size: 8,
+        indirect: false,
+        ..Default::default()
+    };
+    let disk = Disk::attach(&sock, &opts).unwrap();
+    let mut q = disk.take_queue(0).unwrap();
+    // 500 writes of 4 KiB with no waiting in between: the ring holds 2 at a time.
+    for i in 0..500u64 {
+        let mut b = q.alloc(4096).unwrap();
+        b.fill(i as u8);
+        q.write(i * 4096, b, i).unwrap();
+    }
+    let mut seen = vec![false; 500];
+    while q.in_flight() > 0 {
+        let c = q.wait(Some(Duration::from_secs(10))).unwrap();
+        c.result.unwrap();
+        assert!(!seen[c.token as usize], "token {} completed twice", c.token);
+        seen[c.token as usize] = true;
+    }
+    assert!(seen.iter().all(|&s| s));
+    let mut got = vec![0u8; 4096];
+    q.read_at(499 * 4096, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == (499 % 256) as u8));
+}
+
+#[test]
+fn discard_write_zeroes_and_flush() {
+    let (_d, sock) = start(mem_device(1));
+    let disk = Disk::attach(&sock, &DiskOptions::default()).unwrap();
+    let mut q = disk.take_queue(0).unwrap();
+    q.write_at(0, &vec![0xCD; 1 << 20]).unwrap();
+    q.write_zeroes_sync(4096, 8192, false).unwrap();
+    q.discard_sync(65536, 65536).unwrap();
+    q.write_zeroes_sync(131072, 4096, true).unwrap();
+    q.flush_sync().unwrap();
+    let mut got = vec![0u8; 1 << 20];
+    q.read_at(0, &mut got).unwrap();
+    assert!(got[..4096].iter().all(|&b| b == 0xCD));
+    assert!(got[4096..12288].iter().all(|&b| b == 0));
+    assert!(got[12288..65536].iter().all(|&b| b == 0xCD));
+    assert!(got[131072..135168].iter().all(|&b| b == 0));
+    assert!(got[135168..].iter().all(|&b| b == 0xCD));
+}
+
+#[test]
+fn bad_requests_are_refused_before_sending_with_the_numbers() {
+    let (_d, sock) = start(mem_device(1));
+    let disk = Disk::attach(&sock, &DiskOptions::default()).unwrap();
+    let mut q = disk.take_queue(0).unwrap();
+    let b = q.alloc(4096).unwrap();
+    let e = q.read(100, b, 1).unwrap_err();
+    assert_eq!(e.error.kind(), ErrorKind::InvalidInput);
+    assert_eq!(
+        e.error.to_string(),
+        "offset 100 is not a multiple of the logical block size 512"
+    );
+    assert_eq!(e.error.errno(), libc::EINVAL);
+    let b = e.bufs.into_one().expect("the buffer comes back");
+    let e = q.write(64 << 20, b, 2).unwrap_err();
+    assert_eq!(e.error.kind(), ErrorKind::OutOfRange);
+    assert_eq!(
+        e.error.to_string(),
+        "offset 67108864 + length 4096 is past the capacity of 67108864 bytes"
+    );
+    let b = q.alloc(1000).unwrap();
+    let e = q.write(0, b, 3).unwrap_err();
+    assert!(e.error.to_string().contains("length 1000"), "{}", e.error);
+    assert_eq!(q.in_flight(), 0);
+}
+
+#[test]
+fn read_only_device_refuses_writes() {
+    let (_d, sock) = start(DeviceConfig {
+        read_only: true,
+        ..mem_device(1)
+    });
+    let disk = Disk::attach(&sock, &DiskOptions::default()).unwrap();
+    assert!(disk.info().read_only);
+    assert!(!disk.info().discard && !disk.info().write_zeroes);
+    let mut q = disk.take_queue(0).unwrap();
+    let e = q.write_at(0, &[1u8; 512]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ReadOnly);
+    let mut got = vec![1u8; 512];
+    q.read_at(0, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 0));
+}
+
+#[test]
+fn a_frontend_that_negotiates_only_config_is_served() {
+    let (_d, sock) = start(mem_device(2));
+    let opts = DiskOptions {
+        protocol_features: VhostUserProtocolFeatures::CONFIG,
+        ..Default::default()
+    };
+    let disk = Disk::attach(&sock, &opts).unwrap();
+    assert_eq!(disk.info().protocol_feature_names, ["CONFIG"]);
+    assert_eq!(
+        disk.info().num_queues,
+        2,
+        "queue count from the config space"
+    );
+    drop(disk);
+    integrity(&sock, &opts, 50);
+    // And with everything again on the same daemon: it went back to listening.
+    let full = DiskOptions {
+        protocol_features: supported_protocol_features(),
+        ..Default::default()
+    };
+    integrity(&sock, &full, 20);
+}
+
+#[test]
+fn the_daemon_serves_one_frontend_after_another() {
+    let (_d, sock) = start(mem_device(1));
+    for i in 0..5u8 {
+        let disk = Disk::attach(&sock, &DiskOptions::default()).unwrap();
+        let mut q = disk.take_queue(0).unwrap();
+        if i > 0 {
+            let mut got = [0u8; 512];
+            q.read_at(0, &mut got).unwrap();
+            assert_eq!(got[0], i - 1, "data from the previous connection");
+        }
+        q.write_at(0, &[i; 512]).unwrap();
+    }
+}
