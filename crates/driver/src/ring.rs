@@ -160,10 +160,6 @@ impl SplitRing {
         self.size
     }
 
-    pub(crate) fn layout(&self) -> &Layout {
-        &self.layout
-    }
-
     /// Guest addresses of the descriptor table, avail ring and used ring.
     pub(crate) fn addresses(&self) -> (u64, u64, u64) {
         let b = self.base as u64;

@@ -4,12 +4,14 @@ use std::error::Error;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+use crate::info::InfoArgs;
 use crate::serve::ServeArgs;
 
 /// vblk — a userspace virtio-blk stack.
 ///
 /// `vblk serve` is a vhost-user-blk device daemon that QEMU, Cloud Hypervisor and other
-/// vhost-user frontends attach virtio-blk disks to.
+/// vhost-user frontends attach virtio-blk disks to; `vblk info` attaches to any
+/// vhost-user-blk device and shows what it offers.
 #[derive(Debug, Parser)]
 #[command(name = "vblk", version, about, long_about = None)]
 pub struct Cli {
@@ -40,6 +42,8 @@ pub enum LogLevel {
 pub enum Command {
     /// Serve a disk to a VM as a vhost-user-blk device.
     Serve(ServeArgs),
+    /// Attach to a vhost-user-blk device and print what it offers (like nbdinfo).
+    Info(InfoArgs),
 }
 
 /// Run the parsed command line.
@@ -58,5 +62,6 @@ pub fn run(cli: Cli) -> Result<(), Box<dyn Error>> {
         .init();
     match cli.command {
         Command::Serve(args) => crate::serve::run(args),
+        Command::Info(args) => crate::info::run(args),
     }
 }

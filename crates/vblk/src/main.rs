@@ -2,6 +2,7 @@
 //! over; see `cli.rs` and the library crates.
 
 mod cli;
+mod info;
 mod serve;
 
 use std::process::ExitCode;

@@ -619,9 +619,7 @@ impl Cpio {
     }
 
     fn pad(&mut self) {
-        while self.buf.len() % 4 != 0 {
-            self.buf.push(0);
-        }
+        self.buf.resize(self.buf.len().next_multiple_of(4), 0);
     }
 
     fn parents(&mut self, path: &str) {
