@@ -105,6 +105,10 @@ fn serve_one(
     info!("frontend connected");
     match daemon.wait() {
         Ok(()) => info!("frontend disconnected"),
+        // A frontend that closes its socket (a VM shutting down) is the normal way out.
+        Err(vhost_user_backend::Error::HandleRequest(
+            vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+        )) => info!("frontend disconnected"),
         Err(e) => warn!("frontend connection ended: {e}"),
     }
     for q in 0..usize::from(config.num_queues) {

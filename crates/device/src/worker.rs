@@ -188,8 +188,8 @@ impl Worker {
         loop {
             let mem = self.refresh_mem();
             let mut progress = false;
-            for qi in 0..self.queues.len().min(vrings.len()) {
-                progress |= self.drain(qi, &vrings[qi], &mem);
+            for (qi, vring) in vrings.iter().enumerate().take(self.queues.len()) {
+                progress |= self.drain(qi, vring, &mem);
             }
             if self.pushed {
                 self.pushed = false;

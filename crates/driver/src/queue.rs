@@ -355,13 +355,13 @@ impl Queue {
         if len == 0 {
             return Err(Error::new(ErrorKind::InvalidInput, "length 0".into()));
         }
-        if offset % blk != 0 {
+        if !offset.is_multiple_of(blk) {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
                 format!("offset {offset} is not a multiple of the logical block size {blk}"),
             ));
         }
-        if len % blk != 0 {
+        if !len.is_multiple_of(blk) {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
                 format!("length {len} is not a multiple of the logical block size {blk}"),

@@ -142,7 +142,7 @@ pub fn walk<M: GuestMemoryBackend>(
             }
             let max = u32::from(ring.size) * DESC_SIZE as u32;
             let len = desc.len();
-            if len == 0 || len % DESC_SIZE as u32 != 0 || len > max {
+            if len == 0 || !len.is_multiple_of(DESC_SIZE as u32) || len > max {
                 return Err(ChainError::IndirectBadLength { len, max });
             }
             table = desc.addr();

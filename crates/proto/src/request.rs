@@ -344,7 +344,7 @@ impl Parser {
                 } else {
                     (writable, 0, data_out)
                 };
-                if len % SECTOR_SIZE != 0 {
+                if !len.is_multiple_of(SECTOR_SIZE) {
                     return Err(answer(RequestError::Unaligned { len }));
                 }
                 check_range(req.sector, len / SECTOR_SIZE, limits.capacity).map_err(answer)?;
