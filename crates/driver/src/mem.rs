@@ -214,9 +214,30 @@ unsafe impl Send for Buffer {}
 unsafe impl Sync for Buffer {}
 
 impl Buffer {
-    /// Length in bytes.
+    /// Length in bytes: what an I/O on this buffer transfers.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Bytes allocated (a multiple of the page size); the length can be set up to this.
+    pub fn capacity(&self) -> usize {
+        self.size
+    }
+
+    /// Set the length (how much the next I/O transfers) to `len`, at most
+    /// [`capacity`](Buffer::capacity). Contents are kept.
+    pub fn set_len(&mut self, len: usize) -> Result<(), Error> {
+        if len == 0 || len > self.size {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "buffer length {len} must be between 1 and its capacity {}",
+                    self.size
+                ),
+            ));
+        }
+        self.len = len;
+        Ok(())
     }
 
     /// Whether the buffer is empty (never, for an allocated buffer).

@@ -222,7 +222,8 @@ impl SplitRing {
         if self.use_indirect && segs > 1 && segs <= usize::from(self.layout.max_indirect) {
             1
         } else {
-            segs as u16
+            // Saturate: 65537 buffers must not count as 1 descriptor.
+            u16::try_from(segs).unwrap_or(u16::MAX)
         }
     }
 
@@ -367,7 +368,12 @@ impl SplitRing {
         if used_idx == self.last_used {
             return None;
         }
-        let outstanding = self.size - self.num_free;
+        // Requests the device holds: published and not yet reaped. Descriptors in use bound
+        // it too (a chain may take several; reset_outstanding frees them all).
+        let outstanding = self
+            .published
+            .wrapping_sub(self.last_used)
+            .min(self.size - self.num_free);
         let ahead = used_idx.wrapping_sub(self.last_used);
         if ahead > outstanding {
             return Some(Err(RingError::UsedIndex {

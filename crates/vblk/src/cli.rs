@@ -4,6 +4,7 @@ use std::error::Error;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+use crate::bench::BenchArgs;
 use crate::info::InfoArgs;
 use crate::serve::ServeArgs;
 
@@ -44,6 +45,9 @@ pub enum Command {
     Serve(ServeArgs),
     /// Attach to a vhost-user-blk device and print what it offers (like nbdinfo).
     Info(InfoArgs),
+    /// Benchmark virtio-blk I/O paths, fio-style (no arguments: an embedded RAM disk,
+    /// every I/O path, a comparison table).
+    Bench(BenchArgs),
 }
 
 /// Run the parsed command line.
@@ -63,5 +67,6 @@ pub fn run(cli: Cli) -> Result<(), Box<dyn Error>> {
     match cli.command {
         Command::Serve(args) => crate::serve::run(args),
         Command::Info(args) => crate::info::run(args),
+        Command::Bench(args) => crate::bench::run(args),
     }
 }

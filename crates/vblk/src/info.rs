@@ -47,13 +47,21 @@ pub fn render(i: &DiskInfo) -> String {
     line("serial", format!("{:?}", i.serial));
     line(
         "capacity",
-        format!("{} bytes ({} sectors of 512)", i.capacity_bytes, i.capacity_sectors),
+        format!(
+            "{} bytes ({} sectors of 512)",
+            i.capacity_bytes, i.capacity_sectors
+        ),
     );
     line("logical block size", i.logical_block_size.to_string());
     line("read-only", yes(i.read_only).into());
     line(
         "write cache",
-        if i.write_cache { "writeback" } else { "writethrough" }.into(),
+        if i.write_cache {
+            "writeback"
+        } else {
+            "writethrough"
+        }
+        .into(),
     );
     line("flush", yes(i.flush).into());
     line(
@@ -70,7 +78,11 @@ pub fn render(i: &DiskInfo) -> String {
             format!(
                 "yes, up to {} sectors{}",
                 i.max_write_zeroes_sectors,
-                if i.write_zeroes_may_unmap { ", may unmap" } else { "" }
+                if i.write_zeroes_may_unmap {
+                    ", may unmap"
+                } else {
+                    ""
+                }
             )
         } else {
             "no".into()
@@ -80,14 +92,24 @@ pub fn render(i: &DiskInfo) -> String {
     line("size_max", i.size_max.to_string());
     line(
         "queues",
-        format!("{} offered, {} attached, {} entries each", i.device_queues, i.num_queues, i.queue_size),
+        format!(
+            "{} offered, {} attached, {} entries each",
+            i.device_queues, i.num_queues, i.queue_size
+        ),
     );
     line("indirect descriptors", yes(i.indirect).into());
     line("event index", yes(i.event_idx).into());
-    line("device features", format!("{:#x} {}", i.device_features, i.feature_names.join(" ")));
+    line(
+        "device features",
+        format!("{:#x} {}", i.device_features, i.feature_names.join(" ")),
+    );
     line(
         "protocol features",
-        format!("{:#x} {}", i.protocol_features, i.protocol_feature_names.join(" ")),
+        format!(
+            "{:#x} {}",
+            i.protocol_features,
+            i.protocol_feature_names.join(" ")
+        ),
     );
     s
 }

@@ -1,6 +1,7 @@
 //! `vblk`: a userspace virtio-blk stack. This file only parses the command line and hands
 //! over; see `cli.rs` and the library crates.
 
+mod bench;
 mod cli;
 mod info;
 mod serve;

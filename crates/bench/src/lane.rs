@@ -1,0 +1,253 @@
+//! A lane: one job's I/O channel with `depth` buffer slots.
+//!
+//! Two kinds: [`DriverLane`] runs I/O through vblk's driver on a virtqueue (the virtual
+//! path being measured); [`EngineLane`] runs the same I/O straight through a storage engine
+//! on the disk, with no virtio in between (`--baseline`), so the cost of the virtual path
+//! is a measured ratio.
+
+use std::sync::Arc;
+
+use driver::{Buffer, ErrorKind, Queue};
+use storage::{Backend, Engine, EngineKind, Op};
+
+use crate::workload::IoDir;
+
+/// One finished I/O: the slot it used and its result.
+pub type Done = (usize, Result<(), String>);
+
+/// One job's I/O channel.
+pub trait Lane: Send {
+    /// The number of buffer slots (the job's iodepth).
+    fn depth(&self) -> usize;
+    /// The buffer of `slot` (not in flight), `len` bytes long.
+    fn buf(&mut self, slot: usize, len: usize) -> &mut [u8];
+    /// Start `dir` of `len` bytes at `offset` using `slot`'s buffer.
+    fn submit(&mut self, slot: usize, dir: IoDir, offset: u64, len: u64) -> Result<(), String>;
+    /// Make everything submitted reach the device (publish + notify, or the engine's submit).
+    fn unplug(&mut self) -> Result<(), String>;
+    /// Append at least `min` finished I/Os to `out` (and any others already finished).
+    fn wait(&mut self, min: usize, out: &mut Vec<Done>) -> Result<(), String>;
+}
+
+/// I/O through the driver on one virtqueue.
+pub struct DriverLane {
+    queue: Queue,
+    bufs: Vec<Option<Buffer>>,
+}
+
+impl DriverLane {
+    /// A lane on `queue` with `depth` buffers of `max_block` bytes.
+    pub fn new(queue: Queue, depth: usize, max_block: usize) -> Result<DriverLane, String> {
+        let bufs = (0..depth)
+            .map(|_| queue.alloc(max_block).map(Some).map_err(|e| e.to_string()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(DriverLane { queue, bufs })
+    }
+}
+
+fn kind_msg(k: ErrorKind) -> String {
+    k.to_string()
+}
+
+impl Lane for DriverLane {
+    fn depth(&self) -> usize {
+        self.bufs.len()
+    }
+
+    fn buf(&mut self, slot: usize, len: usize) -> &mut [u8] {
+        let b = self.bufs[slot].as_mut().expect("slot buffer is home");
+        let _ = b.set_len(len);
+        &mut b[..]
+    }
+
+    fn submit(&mut self, slot: usize, dir: IoDir, offset: u64, len: u64) -> Result<(), String> {
+        let mut b = self.bufs[slot]
+            .take()
+            .ok_or_else(|| format!("slot {slot} is already in flight"))?;
+        b.set_len(len as usize).map_err(|e| e.to_string())?;
+        let r = match dir {
+            IoDir::Read => self.queue.read(offset, b, slot as u64),
+            IoDir::Write => self.queue.write(offset, b, slot as u64),
+        };
+        r.map_err(|e| {
+            self.bufs[slot] = e.bufs.into_one();
+            e.error.to_string()
+        })
+    }
+
+    fn unplug(&mut self) -> Result<(), String> {
+        self.queue.unplug();
+        Ok(())
+    }
+
+    fn wait(&mut self, min: usize, out: &mut Vec<Done>) -> Result<(), String> {
+        let mut got = 0;
+        loop {
+            while let Some(c) = self.queue.poll() {
+                let slot = c.token as usize;
+                self.bufs[slot] = c.bufs.into_one();
+                out.push((slot, c.result.map_err(kind_msg)));
+                got += 1;
+            }
+            if got >= min || self.queue.in_flight() == 0 {
+                return Ok(());
+            }
+            let c = self.queue.wait(None).map_err(|e| e.to_string())?;
+            let slot = c.token as usize;
+            self.bufs[slot] = c.bufs.into_one();
+            out.push((slot, c.result.map_err(kind_msg)));
+            got += 1;
+        }
+    }
+}
+
+/// A page-aligned heap buffer for the engine lane.
+struct Aligned {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: the allocation is owned by this value alone.
+unsafe impl Send for Aligned {}
+
+impl Aligned {
+    fn new(len: usize) -> Result<Aligned, String> {
+        let layout = std::alloc::Layout::from_size_align(len.max(4096), 4096)
+            .map_err(|e| format!("buffer of {len} bytes: {e}"))?;
+        // SAFETY: layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(format!("cannot allocate {len} bytes"));
+        }
+        Ok(Aligned { ptr, layout })
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: ptr was allocated with exactly this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
+/// I/O straight through a storage engine on the disk: the baseline.
+pub struct EngineLane {
+    engine: Box<dyn Engine>,
+    bufs: Vec<Aligned>,
+    iov: Vec<libc::iovec>,
+    in_flight: usize,
+    pushed: bool,
+    _backend: Arc<Backend>,
+}
+
+// SAFETY: the iovecs point into `bufs`, owned by the lane and moved with it.
+unsafe impl Send for EngineLane {}
+
+impl EngineLane {
+    /// A lane with its own engine of `kind` on `backend`.
+    pub fn new(
+        backend: Arc<Backend>,
+        kind: EngineKind,
+        depth: usize,
+        max_block: usize,
+    ) -> Result<EngineLane, String> {
+        let engine = backend
+            .engine(kind, depth as u32)
+            .map_err(|e| e.to_string())?;
+        let bufs = (0..depth)
+            .map(|_| Aligned::new(max_block))
+            .collect::<Result<Vec<_>, _>>()?;
+        let iov = bufs
+            .iter()
+            .map(|b| libc::iovec {
+                iov_base: b.ptr.cast(),
+                iov_len: max_block,
+            })
+            .collect();
+        Ok(EngineLane {
+            engine,
+            bufs,
+            iov,
+            in_flight: 0,
+            pushed: false,
+            _backend: backend,
+        })
+    }
+}
+
+impl Lane for EngineLane {
+    fn depth(&self) -> usize {
+        self.bufs.len()
+    }
+
+    fn buf(&mut self, slot: usize, len: usize) -> &mut [u8] {
+        let b = &self.bufs[slot];
+        let len = len.min(b.layout.size());
+        // SAFETY: the slot is not in flight (the caller only asks for free slots), so the
+        // engine does not touch it; len is within the allocation.
+        unsafe { std::slice::from_raw_parts_mut(b.ptr, len) }
+    }
+
+    fn submit(&mut self, slot: usize, dir: IoDir, offset: u64, len: u64) -> Result<(), String> {
+        self.iov[slot].iov_len = len as usize;
+        let iov = &self.iov[slot] as *const libc::iovec;
+        let op = match dir {
+            IoDir::Read => Op::Read {
+                offset,
+                iov,
+                iovcnt: 1,
+            },
+            IoDir::Write => Op::Write {
+                offset,
+                iov,
+                iovcnt: 1,
+                durable: false,
+            },
+        };
+        // SAFETY: the iovec and its buffer belong to `slot`, which stays untouched until its
+        // completion is reaped (the runner reuses a slot only after it completes), and both
+        // live in `self`, whose engine is dropped first.
+        unsafe { self.engine.push(slot as u64, op) }.map_err(|e| e.to_string())?;
+        self.in_flight += 1;
+        self.pushed = true;
+        Ok(())
+    }
+
+    fn unplug(&mut self) -> Result<(), String> {
+        if std::mem::take(&mut self.pushed) {
+            self.engine.submit().map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    fn wait(&mut self, min: usize, out: &mut Vec<Done>) -> Result<(), String> {
+        let mut got = 0;
+        loop {
+            let n = self.engine.reap(&mut |c| {
+                out.push((
+                    c.token as usize,
+                    c.result.map(drop).map_err(|e| e.to_string()),
+                ));
+            });
+            got += n;
+            self.in_flight -= n;
+            if got >= min || self.in_flight == 0 {
+                return Ok(());
+            }
+            self.engine.wait().map_err(|e| e.to_string())?;
+        }
+    }
+}
+
+impl Drop for EngineLane {
+    fn drop(&mut self) {
+        // Nothing may still write the buffers when they are freed.
+        while self.in_flight > 0 {
+            let n = self.engine.reap(&mut |_| {});
+            self.in_flight -= n;
+            if n == 0 && self.engine.wait().is_err() {
+                break;
+            }
+        }
+    }
+}

@@ -1,0 +1,338 @@
+//! What `vblk bench` runs: jobs × variants × repeats on a target, and the output.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use driver::PathKind;
+use storage::{CacheMode, DiskSpec, EngineKind};
+
+use crate::job::{apply_option, JobSpec};
+use crate::report::{self, Row};
+use crate::run::{run_job, JobReport, Progress, RunConfig};
+use crate::target::{Target, TargetSpec};
+
+/// Output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Format {
+    /// fio-like text.
+    #[default]
+    Normal,
+    /// JSON with fio's field names.
+    Json,
+}
+
+/// A whole benchmark invocation.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// The jobs, in order.
+    pub jobs: Vec<JobSpec>,
+    /// Where to run.
+    pub target: TargetSpec,
+    /// How to run.
+    pub run: RunConfig,
+    /// `--compare KEY=V1,V2,...`: run each job once per value.
+    pub compare: Option<(String, Vec<String>)>,
+    /// Runs per variant.
+    pub repeat: u32,
+    /// Output format.
+    pub format: Format,
+    /// Write an SVG chart of the comparison here.
+    pub plot: Option<PathBuf>,
+    /// Show a live progress line (when stdout is a terminal).
+    pub progress: bool,
+}
+
+/// The job `vblk bench` runs when given no job: 4 KiB random reads at QD32 for 2 s after a
+/// 0.5 s ramp.
+pub fn default_job() -> JobSpec {
+    let mut j = JobSpec {
+        name: "randread-4k-qd32".into(),
+        ..JobSpec::default()
+    };
+    for (k, v) in [
+        ("rw", "randread"),
+        ("bs", "4k"),
+        ("iodepth", "32"),
+        ("runtime", "2"),
+        ("ramp_time", "500ms"),
+        ("time_based", ""),
+    ] {
+        let v = (!v.is_empty()).then_some(v);
+        if let Err(e) = apply_option(&mut j, k, v) {
+            unreachable!("the default job's option {k} is invalid: {e}");
+        }
+    }
+    j
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_job_is_4k_randread_qd32_time_based() {
+        let j = default_job();
+        assert_eq!(j.rw, crate::job::RwMode::RandRead);
+        assert_eq!((j.bs, j.iodepth), (4096, 32));
+        assert!(j.time_based);
+        assert_eq!(j.runtime, Some(Duration::from_secs(2)));
+        assert_eq!(j.ramp_time, Duration::from_millis(500));
+    }
+
+    #[test]
+    fn variants_reach_the_target_the_run_or_the_jobs() {
+        let mut jobs = vec![default_job()];
+        let mut t = TargetSpec::Embedded(embedded_defaults());
+        let mut r = RunConfig::default();
+        apply_variant("path", "batch", &mut jobs, &mut t, &mut r).unwrap();
+        assert_eq!(r.path, PathKind::Batch);
+        apply_variant("poll-us", "7", &mut jobs, &mut t, &mut r).unwrap();
+        apply_variant("iodepth", "8", &mut jobs, &mut t, &mut r).unwrap();
+        assert_eq!(jobs[0].iodepth, 8);
+        apply_variant("target", "baseline", &mut jobs, &mut t, &mut r).unwrap();
+        assert!(matches!(t, TargetSpec::Baseline { .. }));
+        let e = apply_variant("poll_us", "7", &mut jobs, &mut t, &mut r).unwrap_err();
+        assert!(e.contains("embedded device"), "{e}");
+        assert!(apply_variant("path", "elevator", &mut jobs, &mut t, &mut r).is_err());
+    }
+}
+
+/// Apply one `key=value` of a variant: bench keys change the target or the run, anything
+/// else is a job option.
+pub fn apply_variant(
+    key: &str,
+    value: &str,
+    jobs: &mut [JobSpec],
+    target: &mut TargetSpec,
+    run: &mut RunConfig,
+) -> Result<(), String> {
+    let key_n = key.replace('-', "_");
+    let bad = |what: &str| format!("--compare {key}={value}: {what}");
+    match (key_n.as_str(), target) {
+        ("path", _) => run.path = value.parse().map_err(|e: String| bad(&e))?,
+        ("queue_size", _) => run.queue_size = value.parse().map_err(|_| bad("not a number"))?,
+        ("spin_us", _) => {
+            run.spin = Duration::from_micros(value.parse().map_err(|_| bad("not a number"))?)
+        }
+        ("engine", TargetSpec::Embedded(c)) => {
+            c.engine = value
+                .parse()
+                .map_err(|e: storage::Error| bad(&e.to_string()))?
+        }
+        ("engine", TargetSpec::Baseline { engine, .. }) => {
+            *engine = value
+                .parse()
+                .map_err(|e: storage::Error| bad(&e.to_string()))?
+        }
+        ("poll_us", TargetSpec::Embedded(c)) => {
+            c.poll_us = value.parse().map_err(|_| bad("not a number"))?
+        }
+        ("threads", TargetSpec::Embedded(c)) => {
+            c.threads = value.parse().map_err(|_| bad("not a number"))?
+        }
+        ("disk", TargetSpec::Embedded(c)) => {
+            c.disk = value
+                .parse()
+                .map_err(|e: storage::Error| bad(&e.to_string()))?
+        }
+        ("disk", TargetSpec::Baseline { disk, .. }) => {
+            *disk = value
+                .parse()
+                .map_err(|e: storage::Error| bad(&e.to_string()))?
+        }
+        ("cache", TargetSpec::Embedded(c)) => {
+            c.cache = value
+                .parse()
+                .map_err(|e: storage::Error| bad(&e.to_string()))?
+        }
+        ("cache", TargetSpec::Baseline { cache, .. }) => {
+            *cache = value
+                .parse()
+                .map_err(|e: storage::Error| bad(&e.to_string()))?
+        }
+        ("target", t) => *t = switch_target(t, value).map_err(|e| bad(&e))?,
+        ("engine" | "poll_us" | "threads" | "disk" | "cache", _) => {
+            return Err(bad(
+                "this option applies to the embedded device or the baseline only",
+            ))
+        }
+        _ => {
+            for j in jobs.iter_mut() {
+                apply_option(j, key, Some(value)).map_err(|e| bad(&e))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `target=embedded|baseline`, keeping the disk and engine.
+fn switch_target(t: &TargetSpec, to: &str) -> Result<TargetSpec, String> {
+    let (disk, engine, cache) = match t {
+        TargetSpec::Embedded(c) => (c.disk.clone(), c.engine, c.cache),
+        TargetSpec::Baseline {
+            disk,
+            engine,
+            cache,
+        } => (disk.clone(), *engine, *cache),
+        TargetSpec::Socket { .. } => return Err("cannot switch away from --socket".into()),
+    };
+    match to {
+        "embedded" => Ok(TargetSpec::Embedded(device::DeviceConfig {
+            disk,
+            engine,
+            cache,
+            ..embedded_defaults()
+        })),
+        "baseline" => Ok(TargetSpec::Baseline {
+            disk,
+            engine,
+            cache,
+        }),
+        _ => Err("expected embedded or baseline".into()),
+    }
+}
+
+/// The embedded device vblk bench starts by default: a 1 GiB RAM disk on io_uring.
+pub fn embedded_defaults() -> device::DeviceConfig {
+    device::DeviceConfig {
+        disk: DiskSpec::Mem(1 << 30),
+        engine: EngineKind::IoUring,
+        cache: CacheMode::Writeback,
+        ..Default::default()
+    }
+}
+
+/// Every I/O path the driver has.
+pub fn all_paths() -> Vec<String> {
+    PathKind::ALL.iter().map(|p| p.to_string()).collect()
+}
+
+fn run_one(
+    job: &JobSpec,
+    target: &TargetSpec,
+    run: &RunConfig,
+    show: bool,
+    label: &str,
+) -> Result<JobReport, String> {
+    let t = Target::open(target, job.numjobs.max(1) as u16)?;
+    let progress = Progress::default();
+    let expected = job.runtime.map(|r| r + job.ramp_time);
+    let started = Instant::now();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        if show {
+            let progress = &progress;
+            let done = &done;
+            s.spawn(move || {
+                let mut last = (0u64, 0u64, Instant::now());
+                while !done.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(250));
+                    let (ios, bytes) = (
+                        progress.ios.load(Ordering::Relaxed),
+                        progress.bytes.load(Ordering::Relaxed),
+                    );
+                    let dt = last.2.elapsed().as_secs_f64().max(1e-3);
+                    let el = started.elapsed();
+                    let eta = expected.map_or("?".to_string(), |e| {
+                        format!("{:.0}s", e.saturating_sub(el).as_secs_f64())
+                    });
+                    print!(
+                        "\r[{label}] {:.1}s  IOPS={}  BW={:.1}MiB/s  ETA {eta}   ",
+                        el.as_secs_f64(),
+                        report::human((ios - last.0) as f64 / dt),
+                        (bytes - last.1) as f64 / dt / (1 << 20) as f64
+                    );
+                    let _ = std::io::stdout().flush();
+                    last = (ios, bytes, Instant::now());
+                }
+                print!("\r{:80}\r", "");
+                let _ = std::io::stdout().flush();
+            });
+        }
+        let r = run_job(job, &t, run, &progress);
+        done.store(true, Ordering::Relaxed);
+        r
+    })
+}
+
+/// Run the plan and return what to print.
+pub fn execute(plan: &Plan) -> Result<String, String> {
+    let show = plan.progress && std::io::stdout().is_terminal() && plan.format == Format::Normal;
+    let mut out = String::new();
+    let mut json_jobs = Vec::new();
+    for job in &plan.jobs {
+        match &plan.compare {
+            None => {
+                let r = run_one(job, &plan.target, &plan.run, show, &job.name)?;
+                match plan.format {
+                    Format::Normal => out.push_str(&report::text(&r)),
+                    Format::Json => json_jobs.push(report::json_report(&r)),
+                }
+            }
+            Some((key, values)) => {
+                let mut rows = Vec::new();
+                for v in values {
+                    let mut jobs = vec![job.clone()];
+                    let mut target = plan.target.clone();
+                    let mut run = plan.run;
+                    apply_variant(key, v, &mut jobs, &mut target, &mut run)?;
+                    let label = format!("{key}={v}");
+                    let mut runs = Vec::new();
+                    for i in 0..plan.repeat.max(1) {
+                        let shown = format!("{} {label} #{}", job.name, i + 1);
+                        runs.push(run_one(&jobs[0], &target, &run, show, &shown)?);
+                    }
+                    rows.push(Row { label, runs });
+                }
+                match plan.format {
+                    Format::Normal => {
+                        let first = &rows[0].runs[0];
+                        out.push_str(&format!(
+                            "{}: rw={} bs={} iodepth={} numjobs={}, {} run(s) per variant\n  target: {}\n",
+                            job.name,
+                            job.rw.fio_name(),
+                            job.bs,
+                            job.iodepth,
+                            job.numjobs,
+                            plan.repeat.max(1),
+                            first.target
+                        ));
+                        out.push_str(&report::compare_text(&rows));
+                        out.push('\n');
+                    }
+                    Format::Json => json_jobs.push(serde_json::json!({
+                        "job": job.name,
+                        "compare": key,
+                        "variants": report::compare_json(&rows),
+                    })),
+                }
+                if let Some(p) = &plan.plot {
+                    let title = format!("{}: {key}", job.name);
+                    let svg = report::compare_svg(&rows, &title);
+                    let path = if plan.jobs.len() > 1 {
+                        p.with_file_name(format!(
+                            "{}-{}",
+                            job.name.replace('/', "_"),
+                            p.file_name().and_then(|f| f.to_str()).unwrap_or("plot.svg")
+                        ))
+                    } else {
+                        p.clone()
+                    };
+                    std::fs::write(&path, svg).map_err(|e| format!("{}: {e}", path.display()))?;
+                }
+            }
+        }
+    }
+    if plan.format == Format::Json {
+        let v = if plan.compare.is_none() && json_jobs.len() == 1 {
+            json_jobs.remove(0)
+        } else {
+            serde_json::Value::Array(json_jobs)
+        };
+        out = serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?;
+        out.push('\n');
+    }
+    Ok(out)
+}

@@ -1,0 +1,433 @@
+//! Reports: fio-like text, JSON with fio's field names (so fio's JSON tooling reads it),
+//! plus vblk's own fields (`vblk`: target, path, CPU and IOPS per CPU-second of both sides).
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::run::{CloneResult, DirResult, JobReport};
+use crate::stats::{Cpu, Latency, PERCENTILES};
+
+/// 1234567 → "1235k", like fio's IOPS figures.
+pub fn human(n: f64) -> String {
+    if n >= 10e6 {
+        format!("{:.1}M", n / 1e6)
+    } else if n >= 10e3 {
+        format!("{:.0}k", n / 1e3)
+    } else if n >= 1e3 {
+        format!("{:.2}k", n / 1e3)
+    } else {
+        format!("{n:.0}")
+    }
+}
+
+fn mib(bytes_per_sec: f64) -> String {
+    format!("{:.1}MiB/s", bytes_per_sec / (1 << 20) as f64)
+}
+
+fn pct(cpu: Duration, runtime: Duration) -> f64 {
+    if runtime.is_zero() {
+        0.0
+    } else {
+        100.0 * cpu.as_secs_f64() / runtime.as_secs_f64()
+    }
+}
+
+/// The unit fio would print latencies in, chosen from the mean.
+fn lat_unit(l: &Latency) -> (&'static str, f64) {
+    let m = l.mean();
+    if m >= 10_000_000.0 {
+        ("msec", 1e6)
+    } else if m >= 10_000.0 {
+        ("usec", 1e3)
+    } else {
+        ("nsec", 1.0)
+    }
+}
+
+fn lat_line(out: &mut String, name: &str, l: &Latency) {
+    if l.count() == 0 {
+        return;
+    }
+    let (unit, div) = lat_unit(l);
+    let _ = writeln!(
+        out,
+        "    {name} ({unit}): min={:.0}, max={:.0}, avg={:.2}, stdev={:.2}",
+        l.min() as f64 / div,
+        l.max() as f64 / div,
+        l.mean() / div,
+        l.stddev() / div
+    );
+}
+
+fn dir_text(out: &mut String, label: &str, d: &DirResult, runtime: Duration) {
+    if d.ios == 0 {
+        return;
+    }
+    let secs = runtime.as_secs_f64().max(1e-9);
+    let _ = writeln!(
+        out,
+        "  {label}: IOPS={}, BW={} ({}MiB/{}msec)",
+        human(d.ios as f64 / secs),
+        mib(d.bytes as f64 / secs),
+        d.bytes >> 20,
+        runtime.as_millis()
+    );
+    lat_line(out, "slat", &d.slat);
+    lat_line(out, "clat", &d.clat);
+    lat_line(out, " lat", &d.lat);
+    let (unit, div) = lat_unit(&d.clat);
+    let _ = writeln!(out, "    clat percentiles ({unit}):");
+    for row in PERCENTILES.chunks(4) {
+        let cells: Vec<String> = row
+            .iter()
+            .map(|&p| format!("{p:6.2}th=[{:>6.0}]", d.clat.percentile(p) as f64 / div))
+            .collect();
+        let _ = writeln!(out, "     | {}", cells.join(", "));
+    }
+}
+
+/// fio-like text for one job.
+pub fn text(r: &JobReport) -> String {
+    let mut out = String::new();
+    let t = r.total();
+    let _ = writeln!(
+        out,
+        "{}: (jobs={}): rw={}, bs={}, iodepth={}, path={}",
+        r.spec.name,
+        r.clones.len(),
+        r.spec.rw.fio_name(),
+        block_sizes(&r.spec),
+        r.spec.iodepth,
+        r.path
+    );
+    let _ = writeln!(out, "  target: {}", r.target);
+    dir_text(&mut out, "read", &t.read, t.runtime);
+    dir_text(&mut out, "write", &t.write, t.runtime);
+    let drv = r.driver_cpu();
+    let _ = writeln!(
+        out,
+        "  driver cpu : usr={:.2}%, sys={:.2}%, ctx={}, IOPS per CPU-second={}",
+        pct(drv.user, t.runtime),
+        pct(drv.system, t.runtime),
+        drv.ctx_voluntary + drv.ctx_involuntary,
+        human(r.driver_iops_per_cpu_sec())
+    );
+    match (r.device_cpu, r.device_iops_per_cpu_sec()) {
+        (Some(c), Some(ipc)) => {
+            let _ = writeln!(
+                out,
+                "  device cpu : usr={:.2}%, sys={:.2}%, ctx={}, IOPS per CPU-second={}",
+                pct(c.user, t.runtime),
+                pct(c.system, t.runtime),
+                c.ctx_voluntary + c.ctx_involuntary,
+                human(ipc)
+            );
+        }
+        _ => {
+            let _ = writeln!(
+                out,
+                "  device cpu : not measured (give --device-pid for an external device)"
+            );
+        }
+    }
+    if r.spec.verify.is_some() {
+        let _ = writeln!(
+            out,
+            "  verify     : crc32c, {} sectors checked, no mismatch",
+            t.verified
+        );
+    }
+    for n in &r.notes {
+        let _ = writeln!(out, "  note: {n}");
+    }
+    out
+}
+
+fn block_sizes(spec: &crate::job::JobSpec) -> String {
+    if spec.bssplit.is_empty() {
+        spec.bs.to_string()
+    } else {
+        spec.bssplit
+            .iter()
+            .map(|(b, p)| format!("{b}/{p}"))
+            .collect::<Vec<_>>()
+            .join(":")
+    }
+}
+
+fn dir_json(d: &DirResult, runtime: Duration) -> Value {
+    let secs = runtime.as_secs_f64();
+    let bw_bytes = if secs > 0.0 {
+        d.bytes as f64 / secs
+    } else {
+        0.0
+    };
+    let iops = if secs > 0.0 { d.ios as f64 / secs } else { 0.0 };
+    json!({
+        "io_bytes": d.bytes,
+        "io_kbytes": d.bytes / 1024,
+        "bw_bytes": bw_bytes as u64,
+        "bw": (bw_bytes / 1024.0) as u64,
+        "iops": iops,
+        "runtime": runtime.as_millis() as u64,
+        "total_ios": d.ios,
+        "short_ios": 0,
+        "drop_ios": 0,
+        "slat_ns": d.slat.to_fio_json(),
+        "clat_ns": d.clat.to_fio_json(),
+        "lat_ns": d.lat.to_fio_json(),
+    })
+}
+
+fn cpu_json(c: &Cpu, ios: u64, runtime: Duration) -> Value {
+    let total = c.total().as_secs_f64();
+    json!({
+        "usr_cpu": pct(c.user, runtime),
+        "sys_cpu": pct(c.system, runtime),
+        "usr_sec": c.user.as_secs_f64(),
+        "sys_sec": c.system.as_secs_f64(),
+        "ctx": c.ctx_voluntary + c.ctx_involuntary,
+        "iops_per_cpu_sec": if total > 0.0 { ios as f64 / total } else { 0.0 },
+    })
+}
+
+/// One clone as a fio "jobs" entry.
+fn clone_json(r: &JobReport, c: &CloneResult, name: &str) -> Value {
+    let ios = c.read.ios + c.write.ios;
+    json!({
+        "jobname": name,
+        "groupid": 0,
+        "error": 0,
+        "elapsed": c.runtime.as_secs(),
+        "job options": {
+            "rw": r.spec.rw.fio_name(),
+            "bs": block_sizes(&r.spec),
+            "iodepth": r.spec.iodepth.to_string(),
+            "numjobs": r.spec.numjobs.to_string(),
+        },
+        "read": dir_json(&c.read, c.runtime),
+        "write": dir_json(&c.write, c.runtime),
+        "trim": dir_json(&DirResult::new(), c.runtime),
+        "usr_cpu": pct(c.cpu.user, c.runtime),
+        "sys_cpu": pct(c.cpu.system, c.runtime),
+        "ctx": c.cpu.ctx_voluntary + c.cpu.ctx_involuntary,
+        "majf": 0,
+        "minf": 0,
+        "vblk": {
+            "clone": c.index,
+            "driver": cpu_json(&c.cpu, ios, c.runtime),
+            "verified_sectors": c.verified,
+        }
+    })
+}
+
+/// The whole job as JSON: one fio "jobs" entry per clone, the aggregate under "vblk".
+pub fn json_report(r: &JobReport) -> Value {
+    let t = r.total();
+    let ios = t.read.ios + t.write.ios;
+    let jobs: Vec<Value> = r
+        .clones
+        .iter()
+        .map(|c| clone_json(r, c, &r.spec.name))
+        .collect();
+    json!({
+        "fio version": concat!("vblk-", env!("CARGO_PKG_VERSION")),
+        "timestamp": std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        "jobs": jobs,
+        "vblk": {
+            "job": r.spec.name,
+            "target": r.target,
+            "path": r.path,
+            "aggregate": clone_json(r, &t, &r.spec.name),
+            "iops": t.iops(),
+            "bw_bytes": t.bw(),
+            "driver": cpu_json(&r.driver_cpu(), ios, t.runtime),
+            "device": r.device_cpu.map(|c| cpu_json(&c, ios, t.runtime)),
+            "notes": r.notes,
+        }
+    })
+}
+
+/// Mean and sample standard deviation.
+pub fn mean_sd(xs: &[f64]) -> (f64, f64) {
+    if xs.is_empty() {
+        return (0.0, 0.0);
+    }
+    let n = xs.len() as f64;
+    let m = xs.iter().sum::<f64>() / n;
+    if xs.len() < 2 {
+        return (m, 0.0);
+    }
+    let v = xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0);
+    (m, v.sqrt())
+}
+
+/// One row of a comparison: a variant and its repeated runs.
+pub struct Row {
+    /// e.g. "path=batch".
+    pub label: String,
+    /// One report per repeat.
+    pub runs: Vec<JobReport>,
+}
+
+impl Row {
+    fn series(&self, f: impl Fn(&JobReport) -> f64) -> (f64, f64) {
+        mean_sd(&self.runs.iter().map(f).collect::<Vec<_>>())
+    }
+
+    /// IOPS mean and standard deviation.
+    pub fn iops(&self) -> (f64, f64) {
+        self.series(|r| r.total().iops())
+    }
+}
+
+/// The comparison table: mean ± stddev per variant and the ratio to the first.
+pub fn compare_text(rows: &[Row]) -> String {
+    let mut out = String::new();
+    let base = rows.first().map(|r| r.iops().0).unwrap_or(0.0);
+    let _ = writeln!(
+        out,
+        "{:<24} {:>20} {:>7} {:>12} {:>10} {:>10} {:>14} {:>14}",
+        "variant",
+        "IOPS (mean ± sd)",
+        "ratio",
+        "MiB/s",
+        "clat p50",
+        "clat p99",
+        "drv IOPS/CPU-s",
+        "dev IOPS/CPU-s"
+    );
+    for r in rows {
+        let (m, sd) = r.iops();
+        let (bw, _) = r.series(|j| j.total().bw() / (1 << 20) as f64);
+        let (p50, _) = r.series(|j| merged_clat(j).percentile(50.0) as f64 / 1e3);
+        let (p99, _) = r.series(|j| merged_clat(j).percentile(99.0) as f64 / 1e3);
+        let (drv, _) = r.series(|j| j.driver_iops_per_cpu_sec());
+        let dev = if r.runs.iter().all(|j| j.device_cpu.is_some()) {
+            human(r.series(|j| j.device_iops_per_cpu_sec().unwrap_or(0.0)).0)
+        } else {
+            "-".into()
+        };
+        let ratio = if base > 0.0 { m / base } else { 0.0 };
+        let _ = writeln!(
+            out,
+            "{:<24} {:>20} {:>7.2} {:>12.1} {:>8.1}µs {:>8.1}µs {:>14} {:>14}",
+            r.label,
+            format!("{} ± {}", human(m), human(sd)),
+            ratio,
+            bw,
+            p50,
+            p99,
+            human(drv),
+            dev
+        );
+    }
+    out
+}
+
+fn merged_clat(j: &JobReport) -> Latency {
+    let t = j.total();
+    let mut l = t.read.clat.clone();
+    l.merge(&t.write.clat);
+    l
+}
+
+/// The comparison as JSON.
+pub fn compare_json(rows: &[Row]) -> Value {
+    let base = rows.first().map(|r| r.iops().0).unwrap_or(0.0);
+    Value::Array(
+        rows.iter()
+            .map(|r| {
+                let (m, sd) = r.iops();
+                json!({
+                    "variant": r.label,
+                    "iops_mean": m,
+                    "iops_stddev": sd,
+                    "ratio": if base > 0.0 { m / base } else { 0.0 },
+                    "runs": r.runs.iter().map(json_report).collect::<Vec<_>>(),
+                })
+            })
+            .collect(),
+    )
+}
+
+/// A bar chart of mean IOPS with ±1 sd error bars, as SVG.
+pub fn compare_svg(rows: &[Row], title: &str) -> String {
+    let w = 160 + 120 * rows.len().max(1);
+    let h = 420;
+    let top = 50.0;
+    let bottom = 340.0;
+    let max = rows
+        .iter()
+        .map(|r| {
+            let (m, sd) = r.iops();
+            m + sd
+        })
+        .fold(1.0, f64::max)
+        * 1.1;
+    let y = |v: f64| bottom - (bottom - top) * v / max;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"13\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"28\" text-anchor=\"middle\" font-size=\"16\">{}</text>\n\
+         <line x1=\"90\" y1=\"{bottom}\" x2=\"{}\" y2=\"{bottom}\" stroke=\"black\"/>\n\
+         <line x1=\"90\" y1=\"{top}\" x2=\"90\" y2=\"{bottom}\" stroke=\"black\"/>\n",
+        w / 2,
+        xml(title),
+        w - 30
+    );
+    for i in 0..=4 {
+        let v = max * f64::from(i) / 4.0;
+        let _ = writeln!(
+            s,
+            "<text x=\"84\" y=\"{:.1}\" text-anchor=\"end\">{}</text><line x1=\"90\" y1=\"{:.1}\" x2=\"{}\" y2=\"{:.1}\" stroke=\"#ddd\"/>",
+            y(v) + 4.0,
+            human(v),
+            y(v),
+            w - 30,
+            y(v)
+        );
+    }
+    let base = rows.first().map(|r| r.iops().0).unwrap_or(0.0);
+    for (i, r) in rows.iter().enumerate() {
+        let (m, sd) = r.iops();
+        let x = 120.0 + 120.0 * i as f64;
+        let _ = writeln!(
+            s,
+            "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"70\" height=\"{:.1}\" fill=\"#4a7ab5\"/>\n\
+             <line x1=\"{:.1}\" y1=\"{:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"black\" stroke-width=\"2\"/>\n\
+             <text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>\n\
+             <text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n\
+             <text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\" fill=\"#555\">×{:.2}</text>",
+            y(m),
+            bottom - y(m),
+            x + 35.0,
+            y(m + sd),
+            x + 35.0,
+            y((m - sd).max(0.0)),
+            x + 35.0,
+            y(m + sd) - 6.0,
+            human(m),
+            x + 35.0,
+            bottom + 20.0,
+            xml(&r.label),
+            x + 35.0,
+            bottom + 38.0,
+            if base > 0.0 { m / base } else { 0.0 }
+        );
+    }
+    let _ = writeln!(s, "<text x=\"20\" y=\"{}\" transform=\"rotate(-90 20 {})\" text-anchor=\"middle\">IOPS (mean ± sd)</text>", (top + bottom) / 2.0, (top + bottom) / 2.0);
+    s.push_str("</svg>\n");
+    s
+}
+
+fn xml(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}

@@ -1,0 +1,498 @@
+//! Running a job: one thread and one lane per clone (numjobs), iodepth I/Os kept in flight,
+//! submissions unplugged per `iodepth_batch_submit`, completions reaped per
+//! `iodepth_batch_complete`, latencies recorded after the ramp, CPU measured on both sides.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use driver::PathKind;
+
+use crate::job::{JobSpec, Size};
+use crate::lane::{Done, Lane};
+use crate::stats::{Cpu, Latency};
+use crate::target::{AttachOptions, Geometry, Target};
+use crate::verify::{self, WrittenMap};
+use crate::workload::{Generator, IoDir};
+
+/// How to run (what a job file does not say).
+#[derive(Clone, Copy, Debug)]
+pub struct RunConfig {
+    /// The driver's I/O path.
+    pub path: PathKind,
+    /// Spin bound before sleeping on a completion.
+    pub spin: Duration,
+    /// Entries per virtqueue.
+    pub queue_size: u16,
+    /// Seed of the workload generators (each clone adds its index).
+    pub seed: u64,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            path: PathKind::Bio,
+            spin: Duration::from_micros(50),
+            queue_size: 256,
+            seed: 0x5eed,
+        }
+    }
+}
+
+/// Figures of one direction (read or write).
+#[derive(Clone)]
+pub struct DirResult {
+    /// I/Os completed in the measured window.
+    pub ios: u64,
+    /// Bytes completed in the measured window.
+    pub bytes: u64,
+    /// Submission latency.
+    pub slat: Latency,
+    /// Completion latency (from submission to completion).
+    pub clat: Latency,
+    /// Total latency (slat + clat).
+    pub lat: Latency,
+}
+
+impl DirResult {
+    /// No I/O.
+    pub fn new() -> DirResult {
+        DirResult {
+            ios: 0,
+            bytes: 0,
+            slat: Latency::new(),
+            clat: Latency::new(),
+            lat: Latency::new(),
+        }
+    }
+
+    fn merge(&mut self, o: &DirResult) {
+        self.ios += o.ios;
+        self.bytes += o.bytes;
+        self.slat.merge(&o.slat);
+        self.clat.merge(&o.clat);
+        self.lat.merge(&o.lat);
+    }
+}
+
+/// Figures of one clone of a job (or of all of them, merged).
+#[derive(Clone)]
+pub struct CloneResult {
+    /// Clone index.
+    pub index: u32,
+    /// Reads.
+    pub read: DirResult,
+    /// Writes.
+    pub write: DirResult,
+    /// The measured window (after the ramp).
+    pub runtime: Duration,
+    /// CPU of the clone's thread in the measured window (driver side).
+    pub cpu: Cpu,
+    /// Sectors verified.
+    pub verified: u64,
+}
+
+impl CloneResult {
+    /// I/Os per second, both directions.
+    pub fn iops(&self) -> f64 {
+        per_sec(self.read.ios + self.write.ios, self.runtime)
+    }
+
+    /// Bytes per second, both directions.
+    pub fn bw(&self) -> f64 {
+        per_sec(self.read.bytes + self.write.bytes, self.runtime)
+    }
+}
+
+fn per_sec(n: u64, d: Duration) -> f64 {
+    if d.is_zero() {
+        0.0
+    } else {
+        n as f64 / d.as_secs_f64()
+    }
+}
+
+/// Everything measured for one job.
+pub struct JobReport {
+    /// The job.
+    pub spec: JobSpec,
+    /// Per clone.
+    pub clones: Vec<CloneResult>,
+    /// CPU of the device side in the measured window (when it can be measured).
+    pub device_cpu: Option<Cpu>,
+    /// CPU of kernel helpers of the driver side (baseline's io_uring workers).
+    pub helper_cpu: Cpu,
+    /// The target, in words.
+    pub target: String,
+    /// The I/O path ("engine" for the baseline).
+    pub path: String,
+    /// Things the user should know (clamped sizes, ignored options).
+    pub notes: Vec<String>,
+}
+
+impl JobReport {
+    /// All clones merged (runtime: the longest).
+    pub fn total(&self) -> CloneResult {
+        let mut t = CloneResult {
+            index: 0,
+            read: DirResult::new(),
+            write: DirResult::new(),
+            runtime: Duration::ZERO,
+            cpu: Cpu::default(),
+            verified: 0,
+        };
+        for c in &self.clones {
+            t.read.merge(&c.read);
+            t.write.merge(&c.write);
+            t.runtime = t.runtime.max(c.runtime);
+            t.cpu = t.cpu.add(&c.cpu);
+            t.verified += c.verified;
+        }
+        t
+    }
+
+    /// Driver-side CPU (job threads plus their kernel helpers).
+    pub fn driver_cpu(&self) -> Cpu {
+        self.total().cpu.add(&self.helper_cpu)
+    }
+
+    /// I/Os per CPU-second on the driver side.
+    pub fn driver_iops_per_cpu_sec(&self) -> f64 {
+        let t = self.total();
+        per_sec(t.read.ios + t.write.ios, self.driver_cpu().total())
+    }
+
+    /// I/Os per CPU-second on the device side.
+    pub fn device_iops_per_cpu_sec(&self) -> Option<f64> {
+        let t = self.total();
+        self.device_cpu
+            .map(|c| per_sec(t.read.ios + t.write.ios, c.total()))
+    }
+}
+
+/// Live counters for the progress line.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// I/Os completed (all clones, including the ramp).
+    pub ios: AtomicU64,
+    /// Bytes completed.
+    pub bytes: AtomicU64,
+    /// Set by the caller to stop early (Ctrl-C).
+    pub stop: AtomicBool,
+}
+
+struct Window {
+    start: Instant,
+    ramp_end: Instant,
+    deadline: Option<Instant>,
+}
+
+/// The region each clone works on, and notes about clamping.
+fn regions(
+    spec: &JobSpec,
+    geo: Geometry,
+    notes: &mut Vec<String>,
+) -> Result<Vec<(u64, u64)>, String> {
+    let offset = spec.offset.next_multiple_of(geo.block);
+    if offset >= geo.capacity {
+        return Err(format!(
+            "offset {} is at or past the end of the device ({} bytes)",
+            spec.offset, geo.capacity
+        ));
+    }
+    let avail = geo.capacity - offset;
+    let mut len = match spec.size {
+        None => avail,
+        Some(Size::Bytes(b)) => b,
+        Some(Size::Percent(p)) => avail / 100 * u64::from(p),
+    };
+    if len > avail {
+        notes.push(format!(
+            "size {len} is larger than the {avail} bytes available from offset {offset}; using {avail}"
+        ));
+        len = avail;
+    }
+    len = len / geo.block * geo.block;
+    let n = u64::from(spec.numjobs.max(1));
+    if spec.verify.is_some() && n > 1 && spec.rw.writes() {
+        // Verified writers must not overwrite each other: split the region.
+        notes.push(format!(
+            "verify with {n} writing clones: each clone gets 1/{n} of the region"
+        ));
+        let part = len / n / geo.block * geo.block;
+        return Ok((0..n).map(|i| (offset + i * part, part)).collect());
+    }
+    Ok((0..n).map(|_| (offset, len)).collect())
+}
+
+/// Run `spec` on `target`.
+pub fn run_job(
+    spec: &JobSpec,
+    target: &Target,
+    cfg: &RunConfig,
+    progress: &Progress,
+) -> Result<JobReport, String> {
+    let clones = spec.numjobs.max(1) as usize;
+    let depth = spec.iodepth.max(1) as usize;
+    let probe = Generator::new(spec, 0, u64::MAX / 4, 512, 0)?;
+    let max_block = probe.max_block() as usize;
+    let batch = if spec.iodepth_batch_submit > 1 {
+        spec.iodepth_batch_submit
+    } else {
+        spec.iodepth
+    };
+    let attach = AttachOptions {
+        path: cfg.path,
+        batch: batch.clamp(1, u32::from(u16::MAX)) as u16,
+        spin: cfg.spin,
+        queue_size: cfg.queue_size,
+    };
+    let (lanes, geo) = target.lanes(clones, depth, max_block, attach)?;
+    let mut notes: Vec<String> = spec
+        .ignored
+        .iter()
+        .map(|o| format!("option {o} ignored"))
+        .collect();
+    let regions = regions(spec, geo, &mut notes)?;
+    let barrier = Arc::new(Barrier::new(clones + 1));
+    let start = Instant::now() + Duration::from_millis(20);
+    let window = Arc::new(Window {
+        start,
+        ramp_end: start + spec.ramp_time,
+        deadline: spec.runtime.map(|r| start + spec.ramp_time + r),
+    });
+    let (results, device_cpu, helper_cpu) = std::thread::scope(|s| {
+        let handles: Vec<_> = lanes
+            .into_iter()
+            .zip(&regions)
+            .enumerate()
+            .map(|(i, (mut lane, &(off, len)))| {
+                let barrier = barrier.clone();
+                let window = window.clone();
+                let seed = cfg.seed.wrapping_add(i as u64 * 0x9E37_79B9);
+                std::thread::Builder::new()
+                    .name(format!("vblk-job{i}"))
+                    .spawn_scoped(s, move || {
+                        barrier.wait();
+                        run_clone(
+                            spec,
+                            lane.as_mut(),
+                            i as u32,
+                            (off, len),
+                            geo.block,
+                            seed,
+                            &window,
+                            progress,
+                        )
+                    })
+                    .map_err(|e| format!("cannot start a job thread: {e}"))
+            })
+            .collect();
+        barrier.wait();
+        // Device CPU is sampled over the window the clones measure in.
+        std::thread::sleep(window.ramp_end.saturating_duration_since(Instant::now()));
+        let dev0 = target.device_cpu();
+        let help0 = target.helper_cpu();
+        let results: Vec<Result<CloneResult, String>> = handles
+            .into_iter()
+            .map(|h| {
+                h.and_then(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("a job thread panicked".into()))
+                })
+            })
+            .collect();
+        let dev = dev0.and_then(|d0| target.device_cpu().map(|d1| d1.since(&d0)));
+        (results, dev, target.helper_cpu().since(&help0))
+    });
+    let clones_out = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+    Ok(JobReport {
+        spec: spec.clone(),
+        clones: clones_out,
+        device_cpu,
+        helper_cpu,
+        target: target.describe(),
+        path: if target.is_baseline() {
+            "baseline".into()
+        } else {
+            cfg.path.to_string()
+        },
+        notes,
+    })
+}
+
+struct Slot {
+    dir: IoDir,
+    offset: u64,
+    len: u64,
+    t0: Instant,
+    t1: Instant,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_clone(
+    spec: &JobSpec,
+    lane: &mut dyn Lane,
+    index: u32,
+    (start, len): (u64, u64),
+    align: u64,
+    seed: u64,
+    w: &Window,
+    progress: &Progress,
+) -> Result<CloneResult, String> {
+    let mut gen = Generator::new(spec, start, len, align, seed)?;
+    let depth = lane.depth();
+    let now = Instant::now();
+    let mut slots: Vec<Slot> = (0..depth)
+        .map(|_| Slot {
+            dir: IoDir::Read,
+            offset: 0,
+            len: 0,
+            t0: now,
+            t1: now,
+        })
+        .collect();
+    let mut free: Vec<usize> = (0..depth).rev().collect();
+    let mut done: Vec<Done> = Vec::with_capacity(depth);
+    let mut read = DirResult::new();
+    let mut write = DirResult::new();
+    let verifying = spec.verify.is_some();
+    let mut written = verifying.then(|| WrittenMap::new(start, len));
+    let mut generation = 0u64;
+    let mut verified = 0u64;
+    let batch_submit = spec.iodepth_batch_submit.max(1) as usize;
+    let batch_complete = spec.iodepth_batch_complete.max(1) as usize;
+    let byte_limit = if spec.time_based { None } else { Some(len) };
+    let mut issued = 0u64;
+    let mut in_flight = 0usize;
+    let mut stopping = false;
+    let mut measuring = false;
+    let mut cpu0 = Cpu::this_thread();
+    let mut first_measured: Option<Instant> = None;
+    let mut last_done = Instant::now();
+    std::thread::sleep(w.start.saturating_duration_since(Instant::now()));
+    loop {
+        let now = Instant::now();
+        if !measuring && now >= w.ramp_end {
+            measuring = true;
+            cpu0 = Cpu::this_thread();
+            first_measured = Some(now);
+        }
+        if w.deadline.is_some_and(|d| now >= d) || progress.stop.load(Ordering::Relaxed) {
+            stopping = true;
+        }
+        // Submit until the depth is full.
+        let mut n = 0;
+        while !stopping && in_flight < depth {
+            let Some(slot) = free.pop() else { break };
+            let u = gen.next();
+            if u.dir == IoDir::Write && verifying {
+                generation += 1;
+                verify::fill(lane.buf(slot, u.len as usize), u.offset, generation);
+            }
+            let t0 = Instant::now();
+            lane.submit(slot, u.dir, u.offset, u.len)?;
+            let t1 = Instant::now();
+            slots[slot] = Slot {
+                dir: u.dir,
+                offset: u.offset,
+                len: u.len,
+                t0,
+                t1,
+            };
+            in_flight += 1;
+            issued += u.len;
+            n += 1;
+            if n % batch_submit == 0 {
+                lane.unplug()?;
+            }
+            if byte_limit.is_some_and(|l| issued >= l) {
+                stopping = true;
+            }
+        }
+        lane.unplug()?;
+        if in_flight == 0 {
+            break;
+        }
+        done.clear();
+        lane.wait(batch_complete.min(in_flight), &mut done)?;
+        let tc = Instant::now();
+        let mut bytes = 0;
+        for &(slot, ref result) in &done {
+            in_flight -= 1;
+            free.push(slot);
+            let s = &slots[slot];
+            if let Err(e) = result {
+                return Err(format!(
+                    "{:?} of {} bytes at offset {} failed: {e}",
+                    s.dir, s.len, s.offset
+                ));
+            }
+            if let Some(map) = written.as_mut() {
+                match s.dir {
+                    IoDir::Write => map.mark(s.offset, s.len),
+                    IoDir::Read => {
+                        verified += verify::check(lane.buf(slot, s.len as usize), s.offset, map)
+                            .map_err(|e| e.to_string())?
+                    }
+                }
+            }
+            bytes += s.len;
+            if measuring && s.t0 >= w.ramp_end {
+                let d = if s.dir == IoDir::Read {
+                    &mut read
+                } else {
+                    &mut write
+                };
+                d.ios += 1;
+                d.bytes += s.len;
+                let slat = s.t1.duration_since(s.t0).as_nanos() as u64;
+                let clat = tc.duration_since(s.t1).as_nanos() as u64;
+                d.slat.record(slat.max(1));
+                d.clat.record(clat.max(1));
+                d.lat.record((slat + clat).max(1));
+            }
+        }
+        last_done = tc;
+        progress.ios.fetch_add(done.len() as u64, Ordering::Relaxed);
+        progress.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+    let cpu = Cpu::this_thread().since(&cpu0);
+    let runtime = first_measured.map_or(Duration::ZERO, |f| last_done.saturating_duration_since(f));
+    if let Some(map) = &written {
+        verified += verify_pass(lane, map, gen.max_block())?;
+    }
+    Ok(CloneResult {
+        index,
+        read,
+        write,
+        runtime,
+        cpu,
+        verified,
+    })
+}
+
+/// Read back everything this clone wrote and check it.
+fn verify_pass(lane: &mut dyn Lane, map: &WrittenMap, chunk: u64) -> Result<u64, String> {
+    let mut checked = 0;
+    let mut done = Vec::with_capacity(1);
+    for (off, len) in map.extents() {
+        let mut at = off;
+        while at < off + len {
+            let n = (off + len - at).min(chunk);
+            lane.submit(0, IoDir::Read, at, n)?;
+            lane.unplug()?;
+            done.clear();
+            lane.wait(1, &mut done)?;
+            if let Some((_, Err(e))) = done.first() {
+                return Err(format!(
+                    "verify read of {n} bytes at offset {at} failed: {e}"
+                ));
+            }
+            checked +=
+                verify::check(lane.buf(0, n as usize), at, map).map_err(|e| e.to_string())?;
+            at += n;
+        }
+    }
+    Ok(checked)
+}

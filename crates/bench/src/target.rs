@@ -1,0 +1,266 @@
+//! What a benchmark runs against: an embedded vblk device in this process, any
+//! vhost-user-blk socket, or (`--baseline`) the disk straight through a storage engine.
+
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use device::DeviceConfig;
+use driver::{Disk, DiskOptions, PathKind, QueueOptions};
+use storage::{Backend, CacheMode, DiskSpec, EngineKind, OpenOptions};
+
+use crate::lane::{DriverLane, EngineLane, Lane};
+use crate::stats::Cpu;
+
+/// Where to run.
+#[derive(Clone, Debug)]
+pub enum TargetSpec {
+    /// A vblk device started in this process on a private socket (its queue count is set
+    /// to what the job needs).
+    Embedded(DeviceConfig),
+    /// Any vhost-user-blk device; `device_pid` lets its CPU time be read from /proc.
+    Socket {
+        /// The device's socket.
+        path: PathBuf,
+        /// The device's process, for CPU accounting.
+        device_pid: Option<i32>,
+    },
+    /// No virtio: the job threads drive a storage engine on the disk directly.
+    Baseline {
+        /// The disk.
+        disk: DiskSpec,
+        /// The engine.
+        engine: EngineKind,
+        /// Page cache or O_DIRECT.
+        cache: CacheMode,
+    },
+}
+
+/// How the driver attaches (ignored by the baseline).
+#[derive(Clone, Copy, Debug)]
+pub struct AttachOptions {
+    /// The I/O path.
+    pub path: PathKind,
+    /// Requests per notification on the batch path.
+    pub batch: u16,
+    /// Spin bound before sleeping on a completion.
+    pub spin: Duration,
+    /// Entries per virtqueue.
+    pub queue_size: u16,
+}
+
+struct Embedded {
+    socket: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Embedded {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Wake the accept so the device sees the stop flag.
+        drop(UnixStream::connect(&self.socket));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// An open target.
+pub struct Target {
+    spec: TargetSpec,
+    socket: Option<PathBuf>,
+    backend: Option<Arc<Backend>>,
+    _embedded: Option<Embedded>,
+}
+
+/// Size and alignment of the target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Bytes.
+    pub capacity: u64,
+    /// Logical block size: every offset and length is a multiple of it.
+    pub block: u64,
+}
+
+impl Target {
+    /// Open `spec`; an embedded device gets `queues` virtqueues.
+    pub fn open(spec: &TargetSpec, queues: u16) -> Result<Target, String> {
+        match spec {
+            TargetSpec::Embedded(cfg) => {
+                let mut cfg = cfg.clone();
+                cfg.num_queues = queues.max(1);
+                cfg.threads = cfg.threads.clamp(1, usize::from(cfg.num_queues));
+                let dir = tempfile::tempdir().map_err(|e| format!("temp dir: {e}"))?;
+                let socket = dir.path().join("embedded.sock");
+                let stop = Arc::new(AtomicBool::new(false));
+                let (tx, rx) = mpsc::channel();
+                let listen = device::Listen::Path(socket.clone());
+                let stop2 = stop.clone();
+                let thread = std::thread::Builder::new()
+                    .name("vblk-embedded".into())
+                    .spawn(move || {
+                        let txe = tx.clone();
+                        if let Err(e) = device::serve(&cfg, &listen, &stop2, &mut || {
+                            let _ = tx.send(Ok(()));
+                        }) {
+                            let _ = txe.send(Err(e.to_string()));
+                        }
+                    })
+                    .map_err(|e| format!("cannot start the embedded device: {e}"))?;
+                match rx.recv_timeout(Duration::from_secs(30)) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(format!("embedded device: {e}")),
+                    Err(_) => return Err("embedded device did not start".into()),
+                }
+                Ok(Target {
+                    spec: spec.clone(),
+                    socket: Some(socket.clone()),
+                    backend: None,
+                    _embedded: Some(Embedded {
+                        socket,
+                        stop,
+                        thread: Some(thread),
+                        _dir: dir,
+                    }),
+                })
+            }
+            TargetSpec::Socket { path, .. } => Ok(Target {
+                spec: spec.clone(),
+                socket: Some(path.clone()),
+                backend: None,
+                _embedded: None,
+            }),
+            TargetSpec::Baseline { disk, cache, .. } => {
+                let b = Backend::open(
+                    disk,
+                    &OpenOptions {
+                        read_only: false,
+                        cache: *cache,
+                    },
+                )
+                .map_err(|e| e.to_string())?;
+                Ok(Target {
+                    spec: spec.clone(),
+                    socket: None,
+                    backend: Some(Arc::new(b)),
+                    _embedded: None,
+                })
+            }
+        }
+    }
+
+    /// One line naming the target.
+    pub fn describe(&self) -> String {
+        match &self.spec {
+            TargetSpec::Embedded(c) => format!(
+                "embedded vblk device: {}, engine {}, {} worker(s), poll {} µs",
+                c.disk, c.engine, c.threads, c.poll_us
+            ),
+            TargetSpec::Socket { path, .. } => {
+                format!("vhost-user-blk device at {}", path.display())
+            }
+            TargetSpec::Baseline {
+                disk,
+                engine,
+                cache,
+            } => {
+                format!("baseline: {disk} through {engine} (cache {cache}), no virtio")
+            }
+        }
+    }
+
+    /// Whether this is the no-virtio baseline.
+    pub fn is_baseline(&self) -> bool {
+        matches!(self.spec, TargetSpec::Baseline { .. })
+    }
+
+    /// Whether the device side's CPU can be measured.
+    pub fn has_device_side(&self) -> bool {
+        match &self.spec {
+            TargetSpec::Embedded(_) => true,
+            TargetSpec::Socket { device_pid, .. } => device_pid.is_some(),
+            TargetSpec::Baseline { .. } => false,
+        }
+    }
+
+    /// CPU used so far by the device side (its worker threads and their io_uring workers
+    /// when embedded; the whole process when external with a known pid).
+    pub fn device_cpu(&self) -> Option<Cpu> {
+        let me = std::process::id() as i32;
+        match &self.spec {
+            TargetSpec::Embedded(_) => {
+                let w = Cpu::threads_named(me, "vring_worker").ok()?;
+                let io = Cpu::threads_named(me, "iou-").unwrap_or_default();
+                Some(w.add(&io))
+            }
+            TargetSpec::Socket { device_pid, .. } => device_pid.and_then(|p| Cpu::process(p).ok()),
+            TargetSpec::Baseline { .. } => None,
+        }
+    }
+
+    /// CPU used so far by kernel helpers working for the job threads (the baseline's
+    /// io_uring workers), to be added to the driver side.
+    pub fn helper_cpu(&self) -> Cpu {
+        match &self.spec {
+            TargetSpec::Baseline { .. } => {
+                Cpu::threads_named(std::process::id() as i32, "iou-").unwrap_or_default()
+            }
+            _ => Cpu::default(),
+        }
+    }
+
+    /// `n` lanes of `depth` slots with buffers of `max_block` bytes, and the geometry.
+    pub fn lanes(
+        &self,
+        n: usize,
+        depth: usize,
+        max_block: usize,
+        attach: AttachOptions,
+    ) -> Result<(Vec<Box<dyn Lane>>, Geometry), String> {
+        if let (Some(b), TargetSpec::Baseline { engine, .. }) = (&self.backend, &self.spec) {
+            let lanes = (0..n)
+                .map(|_| {
+                    EngineLane::new(b.clone(), *engine, depth, max_block)
+                        .map(|l| Box::new(l) as Box<dyn Lane>)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let geo = Geometry {
+                capacity: b.size(),
+                block: u64::from(b.logical_block_size()),
+            };
+            return Ok((lanes, geo));
+        }
+        let socket = self.socket.as_ref().ok_or("target has no socket")?;
+        let pool = n * depth * max_block.next_multiple_of(4096) + (8 << 20);
+        let opts = DiskOptions {
+            num_queues: Some(n as u16),
+            queue_size: attach.queue_size,
+            pool_size: pool,
+            queue: QueueOptions {
+                path: attach.path,
+                batch: attach.batch,
+                spin: attach.spin,
+            },
+            ..Default::default()
+        };
+        let disk = Disk::attach(socket, &opts).map_err(|e| format!("{}: {e}", socket.display()))?;
+        let info = disk.info().clone();
+        let lanes = disk
+            .take_queues()
+            .into_iter()
+            .map(|q| DriverLane::new(q, depth, max_block).map(|l| Box::new(l) as Box<dyn Lane>))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((
+            lanes,
+            Geometry {
+                capacity: info.capacity_bytes,
+                block: u64::from(info.logical_block_size),
+            },
+        ))
+    }
+}

@@ -1,0 +1,292 @@
+//! `vblk bench`: the command line of the benchmark (the work is in the `bench` crate).
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use bench::job::{apply_option, parse_job_file, JobSpec};
+use bench::plan::{self, Format, Plan};
+use bench::run::RunConfig;
+use bench::target::TargetSpec;
+use clap::Args;
+use storage::{CacheMode, DiskSpec, EngineKind};
+
+/// Benchmark virtio-blk I/O paths, fio-style.
+///
+/// With no arguments, starts an embedded vblk device on a 1 GiB RAM disk (io_uring engine),
+/// runs 4 KiB random reads at queue depth 32 on each I/O path, and prints a comparison.
+///
+/// Jobs come from fio job files (`[global]` and named sections; options vblk does not
+/// support are reported once as ignored) and/or the fio-named flags below, which apply to
+/// every job. Targets: the embedded device (default; --disk, --engine, --poll-us,
+/// --threads, --cache), any vhost-user-blk socket (--socket, --device-pid), or --baseline:
+/// the same job straight on the disk through io_uring with no virtio in between.
+///
+/// Examples:
+///   vblk bench
+///   vblk bench --rw=randwrite --bs=4k --iodepth=32 --runtime=5 --time_based --path=batch
+///   vblk bench bench/jobs/iometer-file-server.fio --runtime=10
+///   vblk bench --socket /tmp/qsd.sock --device-pid 1234 --compare path=bio,batch --repeat 3
+///   vblk bench --disk /var/tmp/disk.img --cache none --compare target=embedded,baseline
+#[derive(Debug, Args)]
+#[command(verbatim_doc_comment)]
+pub struct BenchArgs {
+    /// fio job files to run (in order).
+    #[arg(value_name = "JOBFILE")]
+    pub job_files: Vec<PathBuf>,
+
+    /// Job name (for flag-defined jobs).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// read, write, randread, randwrite, rw (readwrite), randrw.
+    #[arg(long, value_name = "MODE")]
+    pub rw: Option<String>,
+    /// Block size, e.g. 4k, 64k, 1m [default: 4k].
+    #[arg(long, value_name = "SIZE")]
+    pub bs: Option<String>,
+    /// Weighted block sizes, e.g. 4k/50:64k/40:1m/10.
+    #[arg(long, value_name = "SPLIT")]
+    pub bssplit: Option<String>,
+    /// I/Os kept in flight per job [default: 1].
+    #[arg(long, value_name = "N")]
+    pub iodepth: Option<String>,
+    /// Submit this many I/Os before notifying the device [default: 1].
+    #[arg(
+        long = "iodepth_batch_submit",
+        alias = "iodepth_batch",
+        value_name = "N"
+    )]
+    pub iodepth_batch_submit: Option<String>,
+    /// Reap at least this many completions at a time [default: 1].
+    #[arg(
+        long = "iodepth_batch_complete",
+        alias = "iodepth_batch_complete_min",
+        value_name = "N"
+    )]
+    pub iodepth_batch_complete: Option<String>,
+    /// Clones of each job, each on its own thread and its own queue [default: 1].
+    #[arg(long, value_name = "N")]
+    pub numjobs: Option<String>,
+    /// Percentage of reads in mixed workloads [default: 50].
+    #[arg(long, value_name = "PCT")]
+    pub rwmixread: Option<String>,
+    /// Bytes of the device each job covers, or N% [default: the whole device].
+    #[arg(long, value_name = "SIZE")]
+    pub size: Option<String>,
+    /// Start of the region on the device [default: 0].
+    #[arg(long, value_name = "SIZE")]
+    pub offset: Option<String>,
+    /// Stop after this long (seconds, or with ms/s/m/h) [default: when size is done].
+    #[arg(long, value_name = "TIME")]
+    pub runtime: Option<String>,
+    /// Run for the whole runtime, wrapping around the region.
+    #[arg(long = "time_based", alias = "time-based")]
+    pub time_based: bool,
+    /// Warm up this long before measuring.
+    #[arg(long = "ramp_time", alias = "ramp-time", value_name = "TIME")]
+    pub ramp_time: Option<String>,
+    /// Pick random blocks with replacement instead of each once per pass.
+    #[arg(long)]
+    pub norandommap: bool,
+    /// crc32c: check every block written when it is read back (and after the run).
+    #[arg(long, value_name = "KIND")]
+    pub verify: Option<String>,
+
+    /// A vhost-user-blk device to run against instead of the embedded one.
+    #[arg(long, value_name = "PATH", conflicts_with = "baseline")]
+    pub socket: Option<PathBuf>,
+    /// The external device's process, to measure its CPU.
+    #[arg(long, value_name = "PID", requires = "socket")]
+    pub device_pid: Option<i32>,
+    /// Run the job on the disk through io_uring with no virtio in between.
+    #[arg(long)]
+    pub baseline: bool,
+    /// The disk of the embedded device or the baseline: PATH, mem:SIZE, null:SIZE.
+    #[arg(long, value_name = "SPEC", default_value = "mem:1G")]
+    pub disk: DiskSpec,
+    /// Engine of the embedded device or the baseline: io_uring, sync.
+    #[arg(long, value_name = "ENGINE", default_value = "io_uring")]
+    pub engine: String,
+    /// Host cache of the embedded device or the baseline: none (O_DIRECT), writeback.
+    #[arg(long, value_name = "MODE", default_value = "writeback")]
+    pub cache: String,
+    /// Polling window of the embedded device's workers, µs.
+    #[arg(long, value_name = "US", default_value_t = device::config::DEFAULT_POLL_US)]
+    pub poll_us: u64,
+    /// Worker threads of the embedded device.
+    #[arg(long, value_name = "T", default_value_t = 1)]
+    pub threads: usize,
+
+    /// The driver's I/O path: bio, batch.
+    #[arg(long, value_name = "PATH", default_value = "bio")]
+    pub path: String,
+    /// Entries per virtqueue.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub queue_size: u16,
+    /// How long the driver spins on the used ring before sleeping, µs.
+    #[arg(long, value_name = "US", default_value_t = 50)]
+    pub spin_us: u64,
+    /// Run each job once per value of an option (any job or bench option), e.g.
+    /// path=bio,batch or engine=io_uring,sync or target=embedded,baseline.
+    #[arg(long, value_name = "KEY=V1,V2")]
+    pub compare: Option<String>,
+    /// Runs per variant (the table shows mean ± stddev).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub repeat: u32,
+    /// normal or json.
+    #[arg(long = "output-format", value_name = "FMT", default_value = "normal")]
+    pub output_format: String,
+    /// Draw the comparison as an SVG bar chart.
+    #[arg(long, value_name = "FILE", requires = "compare")]
+    pub plot: Option<PathBuf>,
+    /// Seed of the workload generators.
+    #[arg(long, value_name = "N", default_value_t = 0x5eed)]
+    pub seed: u64,
+}
+
+impl BenchArgs {
+    /// The job options given as flags, as fio key/value pairs.
+    fn job_flags(&self) -> Vec<(&'static str, Option<&str>)> {
+        let mut v: Vec<(&'static str, Option<&str>)> = [
+            ("name", &self.name),
+            ("rw", &self.rw),
+            ("bs", &self.bs),
+            ("bssplit", &self.bssplit),
+            ("iodepth", &self.iodepth),
+            ("iodepth_batch_submit", &self.iodepth_batch_submit),
+            ("iodepth_batch_complete", &self.iodepth_batch_complete),
+            ("numjobs", &self.numjobs),
+            ("rwmixread", &self.rwmixread),
+            ("size", &self.size),
+            ("offset", &self.offset),
+            ("runtime", &self.runtime),
+            ("ramp_time", &self.ramp_time),
+            ("verify", &self.verify),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| v.as_deref().map(|v| (k, Some(v))))
+        .collect();
+        if self.time_based {
+            v.push(("time_based", None));
+        }
+        if self.norandommap {
+            v.push(("norandommap", None));
+        }
+        v
+    }
+
+    fn is_default_run(&self) -> bool {
+        self.job_files.is_empty() && self.job_flags().is_empty() && self.compare.is_none()
+    }
+}
+
+impl TryFrom<&BenchArgs> for Plan {
+    type Error = String;
+
+    fn try_from(a: &BenchArgs) -> Result<Plan, String> {
+        let engine: EngineKind = a
+            .engine
+            .parse()
+            .map_err(|e: storage::Error| format!("--engine: {e}"))?;
+        let cache: CacheMode = a
+            .cache
+            .parse()
+            .map_err(|e: storage::Error| format!("--cache: {e}"))?;
+        let format = match a.output_format.as_str() {
+            "normal" => Format::Normal,
+            "json" => Format::Json,
+            f => return Err(format!("--output-format {f}: expected normal or json")),
+        };
+        let mut jobs: Vec<JobSpec> = Vec::new();
+        for f in &a.job_files {
+            let text = std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
+            let parsed = parse_job_file(&text).map_err(|e| format!("{}: {e}", f.display()))?;
+            if parsed.is_empty() {
+                return Err(format!("{}: no job sections", f.display()));
+            }
+            jobs.extend(parsed);
+        }
+        let flags = a.job_flags();
+        if jobs.is_empty() {
+            jobs.push(if a.is_default_run() {
+                plan::default_job()
+            } else {
+                JobSpec {
+                    name: "vblk".into(),
+                    ..JobSpec::default()
+                }
+            });
+        }
+        for j in &mut jobs {
+            for (k, v) in &flags {
+                apply_option(j, k, *v).map_err(|e| format!("--{k}: {e}"))?;
+            }
+        }
+        let target = if let Some(path) = &a.socket {
+            TargetSpec::Socket {
+                path: path.clone(),
+                device_pid: a.device_pid,
+            }
+        } else if a.baseline {
+            TargetSpec::Baseline {
+                disk: a.disk.clone(),
+                engine,
+                cache,
+            }
+        } else {
+            TargetSpec::Embedded(device::DeviceConfig {
+                disk: a.disk.clone(),
+                engine,
+                cache,
+                poll_us: a.poll_us,
+                threads: a.threads,
+                ..plan::embedded_defaults()
+            })
+        };
+        let run = RunConfig {
+            path: a.path.parse().map_err(|e: String| format!("--path: {e}"))?,
+            spin: Duration::from_micros(a.spin_us),
+            queue_size: a.queue_size,
+            seed: a.seed,
+        };
+        let compare = match (&a.compare, a.is_default_run()) {
+            (Some(c), _) => {
+                let (k, vs) = c
+                    .split_once('=')
+                    .ok_or_else(|| format!("--compare {c}: expected KEY=V1,V2,..."))?;
+                let values: Vec<String> = vs
+                    .split(',')
+                    .filter(|v| !v.is_empty())
+                    .map(String::from)
+                    .collect();
+                if values.is_empty() {
+                    return Err(format!("--compare {c}: no values"));
+                }
+                Some((k.to_string(), values))
+            }
+            (None, true) => Some(("path".to_string(), plan::all_paths())),
+            (None, false) => None,
+        };
+        if a.repeat == 0 {
+            return Err("--repeat 0: must be at least 1".into());
+        }
+        Ok(Plan {
+            jobs,
+            target,
+            run,
+            compare,
+            repeat: a.repeat,
+            format,
+            plot: a.plot.clone(),
+            progress: true,
+        })
+    }
+}
+
+/// `vblk bench`.
+pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
+    let plan = Plan::try_from(&args)?;
+    let out = plan::execute(&plan)?;
+    print!("{out}");
+    Ok(())
+}
