@@ -64,6 +64,7 @@ pub fn default_job() -> JobSpec {
             unreachable!("the default job's option {k} is invalid: {e}");
         }
     }
+    j.finish();
     j
 }
 
@@ -161,6 +162,7 @@ pub fn apply_variant(
         _ => {
             for j in jobs.iter_mut() {
                 apply_option(j, key, Some(value)).map_err(|e| bad(&e))?;
+                j.finish();
             }
         }
     }

@@ -54,6 +54,12 @@ pub struct DirResult {
     pub lat: Latency,
 }
 
+impl Default for DirResult {
+    fn default() -> Self {
+        DirResult::new()
+    }
+}
+
 impl DirResult {
     /// No I/O.
     pub fn new() -> DirResult {
@@ -261,8 +267,9 @@ pub fn run_job(
         ramp_end: start + spec.ramp_time,
         deadline: spec.runtime.map(|r| start + spec.ramp_time + r),
     });
+    type Joined = (Result<CloneResult, String>, Box<dyn Lane>);
     let (results, device_cpu, helper_cpu) = std::thread::scope(|s| {
-        let handles: Vec<_> = lanes
+        let handles: Vec<Result<std::thread::ScopedJoinHandle<'_, Joined>, String>> = lanes
             .into_iter()
             .zip(&regions)
             .enumerate()
@@ -274,7 +281,7 @@ pub fn run_job(
                     .name(format!("vblk-job{i}"))
                     .spawn_scoped(s, move || {
                         barrier.wait();
-                        run_clone(
+                        let r = run_clone(
                             spec,
                             lane.as_mut(),
                             i as u32,
@@ -283,7 +290,10 @@ pub fn run_job(
                             seed,
                             &window,
                             progress,
-                        )
+                        );
+                        // The lane, and with it the device connection, must outlive the
+                        // final CPU sample: the caller drops it.
+                        (r, lane)
                     })
                     .map_err(|e| format!("cannot start a job thread: {e}"))
             })
@@ -291,19 +301,21 @@ pub fn run_job(
         barrier.wait();
         // Device CPU is sampled over the window the clones measure in.
         std::thread::sleep(window.ramp_end.saturating_duration_since(Instant::now()));
-        let dev0 = target.device_cpu();
-        let help0 = target.helper_cpu();
+        let dev0 = target.device_sample();
+        let help0 = target.helper_sample();
+        let mut lanes = Vec::new();
         let results: Vec<Result<CloneResult, String>> = handles
             .into_iter()
             .map(|h| {
-                h.and_then(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err("a job thread panicked".into()))
-                })
+                let (r, lane) = h?.join().map_err(|_| "a job thread panicked".to_string())?;
+                lanes.push(lane);
+                r
             })
             .collect();
-        let dev = dev0.and_then(|d0| target.device_cpu().map(|d1| d1.since(&d0)));
-        (results, dev, target.helper_cpu().since(&help0))
+        let dev = dev0.and_then(|d0| target.device_sample().map(|d1| d1.since(&d0)));
+        let help = target.helper_sample().since(&help0);
+        drop(lanes);
+        (results, dev, help)
     });
     let clones_out = results.into_iter().collect::<Result<Vec<_>, _>>()?;
     Ok(JobReport {

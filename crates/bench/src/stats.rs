@@ -348,5 +348,60 @@ fn for_each_task(pid: i32, mut f: impl FnMut(i32) -> io::Result<()>) -> io::Resu
     Ok(())
 }
 
+/// CPU of a set of threads, per thread, at one moment. Differences are taken thread by
+/// thread, so threads that start or end between two samples (a previous device's workers
+/// winding down) do not distort the figure.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ThreadSample(Vec<(i32, Cpu)>);
+
+impl ThreadSample {
+    /// The threads of `pid` whose name starts with one of `prefixes`.
+    pub fn take(pid: i32, prefixes: &[&str]) -> io::Result<ThreadSample> {
+        let mut v = Vec::new();
+        for_each_task(pid, |tid| {
+            let Ok(comm) = fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")) else {
+                return Ok(()); // the thread ended meanwhile
+            };
+            let comm = comm.trim_end_matches('\n');
+            if prefixes.iter().any(|p| comm.starts_with(p)) {
+                if let Ok(c) = Cpu::thread(pid, tid) {
+                    v.push((tid, c));
+                }
+            }
+            Ok(())
+        })?;
+        Ok(ThreadSample(v))
+    }
+
+    /// A whole process as one entry (its figures include threads that have ended).
+    pub fn process(pid: i32) -> io::Result<ThreadSample> {
+        Ok(ThreadSample(vec![(pid, Cpu::process(pid)?)]))
+    }
+
+    /// CPU used since `earlier` by the threads in this sample (a thread new since then
+    /// counts from zero).
+    pub fn since(&self, earlier: &ThreadSample) -> Cpu {
+        self.0.iter().fold(Cpu::default(), |acc, (tid, now)| {
+            let before = earlier
+                .0
+                .iter()
+                .find(|(t, _)| t == tid)
+                .map(|(_, c)| *c)
+                .unwrap_or_default();
+            acc.add(&now.since(&before))
+        })
+    }
+
+    /// Threads in the sample.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether no thread matched.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests;

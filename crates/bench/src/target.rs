@@ -13,7 +13,7 @@ use driver::{Disk, DiskOptions, PathKind, QueueOptions};
 use storage::{Backend, CacheMode, DiskSpec, EngineKind, OpenOptions};
 
 use crate::lane::{DriverLane, EngineLane, Lane};
-use crate::stats::Cpu;
+use crate::stats::ThreadSample;
 
 /// Where to run.
 #[derive(Clone, Debug)]
@@ -188,29 +188,27 @@ impl Target {
         }
     }
 
-    /// CPU used so far by the device side (its worker threads and their io_uring workers
-    /// when embedded; the whole process when external with a known pid).
-    pub fn device_cpu(&self) -> Option<Cpu> {
+    /// A CPU sample of the device side: its worker threads and their io_uring workers when
+    /// embedded; the whole process when external with a known pid.
+    pub fn device_sample(&self) -> Option<ThreadSample> {
         let me = std::process::id() as i32;
         match &self.spec {
-            TargetSpec::Embedded(_) => {
-                let w = Cpu::threads_named(me, "vring_worker").ok()?;
-                let io = Cpu::threads_named(me, "iou-").unwrap_or_default();
-                Some(w.add(&io))
+            TargetSpec::Embedded(_) => ThreadSample::take(me, &["vring_worker", "iou-"]).ok(),
+            TargetSpec::Socket { device_pid, .. } => {
+                device_pid.and_then(|p| ThreadSample::process(p).ok())
             }
-            TargetSpec::Socket { device_pid, .. } => device_pid.and_then(|p| Cpu::process(p).ok()),
             TargetSpec::Baseline { .. } => None,
         }
     }
 
-    /// CPU used so far by kernel helpers working for the job threads (the baseline's
-    /// io_uring workers), to be added to the driver side.
-    pub fn helper_cpu(&self) -> Cpu {
+    /// A CPU sample of kernel helpers working for the job threads (the baseline's io_uring
+    /// workers), counted on the driver side.
+    pub fn helper_sample(&self) -> ThreadSample {
         match &self.spec {
             TargetSpec::Baseline { .. } => {
-                Cpu::threads_named(std::process::id() as i32, "iou-").unwrap_or_default()
+                ThreadSample::take(std::process::id() as i32, &["iou-"]).unwrap_or_default()
             }
-            _ => Cpu::default(),
+            _ => ThreadSample::default(),
         }
     }
 

@@ -221,6 +221,7 @@ impl TryFrom<&BenchArgs> for Plan {
             for (k, v) in &flags {
                 apply_option(j, k, *v).map_err(|e| format!("--{k}: {e}"))?;
             }
+            j.finish();
         }
         let target = if let Some(path) = &a.socket {
             TargetSpec::Socket {

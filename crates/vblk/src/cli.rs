@@ -47,7 +47,7 @@ pub enum Command {
     Info(InfoArgs),
     /// Benchmark virtio-blk I/O paths, fio-style (no arguments: an embedded RAM disk,
     /// every I/O path, a comparison table).
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
 }
 
 /// Run the parsed command line.
@@ -67,6 +67,6 @@ pub fn run(cli: Cli) -> Result<(), Box<dyn Error>> {
     match cli.command {
         Command::Serve(args) => crate::serve::run(args),
         Command::Info(args) => crate::info::run(args),
-        Command::Bench(args) => crate::bench::run(args),
+        Command::Bench(args) => crate::bench::run(*args),
     }
 }
