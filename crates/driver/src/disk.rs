@@ -205,6 +205,24 @@ fn wanted_features(opts: &DiskOptions) -> u64 {
     f | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
 }
 
+/// Bytes of configuration space to read: the fields that the offered features define, and
+/// no more. A libvhost-user device (qemu-storage-daemon 7.2) refuses a read longer than its
+/// own `struct virtio_blk_config` with an empty reply, on which the vhost crate's
+/// `get_config` blocks forever waiting for the payload; QEMU's frontend sizes its read the
+/// same way (`virtio_get_config_size`).
+fn config_len(device_features: u64) -> usize {
+    // Through num_queues (36); discard fields end at 48, write-zeroes fields (with the
+    // padding after write_zeroes_may_unmap) at 60. Secure erase (to 72) is not used.
+    let len = if device_features & feature::bit(feature::WRITE_ZEROES) != 0 {
+        60
+    } else if device_features & feature::bit(feature::DISCARD) != 0 {
+        48
+    } else {
+        36
+    };
+    len.min(CONFIG_LEN)
+}
+
 /// Names of the virtio-blk feature bits set in `f`.
 pub fn feature_names(f: u64) -> Vec<String> {
     const NAMES: [(u32, &str); 16] = [
@@ -291,12 +309,13 @@ impl Disk {
                 "the device does not offer the CONFIG protocol feature, so its capacity cannot be read",
             ));
         }
+        let cfg_len = config_len(device_features);
         let (_, cfg_bytes) = fe
             .get_config(
                 0,
-                CONFIG_LEN as u32,
+                cfg_len as u32,
                 VhostUserConfigFlags::WRITABLE,
-                &[0u8; CONFIG_LEN],
+                &[0u8; CONFIG_LEN][..cfg_len],
             )
             .map_err(|e| connect_err("GET_CONFIG", e))?;
         let cfg = BlkConfig::from_bytes(&cfg_bytes);

@@ -1,0 +1,263 @@
+//! `vblk bench` end to end: short verified jobs against the embedded device, `vblk serve`
+//! and qemu-storage-daemon over sockets, and the baseline; the JSON figures are present and
+//! plausible (bytes = IOPS × bs × time).
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+use support::daemon::{Backend, Daemon, Export};
+
+fn vblk() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_vblk"));
+    c.args(["--log-level", "warn"]);
+    c
+}
+
+fn workdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("bench")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap()
+}
+
+/// Run `vblk bench ARGS --output-format=json` and parse its output.
+fn bench_json(args: &[&str]) -> Value {
+    let out = vblk()
+        .arg("bench")
+        .args(args)
+        .arg("--output-format=json")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "vblk bench {args:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+const SHORT: &[&str] = &[
+    "--rw=randrw",
+    "--bs=4k",
+    "--iodepth=8",
+    "--size=16m",
+    "--runtime=1",
+    "--time_based",
+    "--ramp_time=200ms",
+    "--verify=crc32c",
+];
+
+/// The fio-shaped figures of a one-clone job are present and add up.
+fn check_job(v: &Value, bs: u64, device_side: bool) {
+    let job = &v["jobs"][0];
+    assert_eq!(job["jobname"], "vblk");
+    let mut total_ios = 0;
+    for dir in ["read", "write"] {
+        let d = &job[dir];
+        let iops = d["iops"].as_f64().unwrap();
+        let bytes = d["io_bytes"].as_u64().unwrap();
+        let runtime_ms = d["runtime"].as_u64().unwrap();
+        let ios = d["total_ios"].as_u64().unwrap();
+        assert!(iops > 0.0, "{dir}: IOPS {iops}");
+        assert!(
+            runtime_ms >= 900,
+            "{dir}: runtime {runtime_ms} ms for a 1 s job"
+        );
+        assert_eq!(bytes, ios * bs, "{dir}: bytes = I/Os × bs");
+        let expect = iops * bs as f64 * runtime_ms as f64 / 1000.0;
+        let err = (bytes as f64 - expect).abs() / expect;
+        assert!(
+            err < 0.02,
+            "{dir}: {bytes} bytes vs IOPS × bs × time = {expect:.0}"
+        );
+        for lat in ["slat_ns", "clat_ns", "lat_ns"] {
+            let l = &d[lat];
+            let (min, mean, max) = (
+                l["min"].as_f64().unwrap(),
+                l["mean"].as_f64().unwrap(),
+                l["max"].as_f64().unwrap(),
+            );
+            assert!(0.0 < min && min <= mean && mean <= max, "{dir} {lat}: {l}");
+        }
+        let p = &d["clat_ns"]["percentile"];
+        let p50 = p["50.000000"].as_f64().unwrap();
+        let p99 = p["99.000000"].as_f64().unwrap();
+        assert!(p50 > 0.0 && p50 <= p99, "{dir}: p50 {p50} p99 {p99}");
+        total_ios += ios;
+    }
+    let mix = job["read"]["total_ios"].as_f64().unwrap() / total_ios as f64;
+    assert!((0.4..0.6).contains(&mix), "rwmixread 50: read share {mix}");
+    let vb = &v["vblk"];
+    assert!(
+        vb["aggregate"]["vblk"]["verified_sectors"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "verify checked nothing"
+    );
+    assert!(vb["driver"]["iops_per_cpu_sec"].as_f64().unwrap() > 0.0);
+    if device_side {
+        assert!(
+            vb["device"]["iops_per_cpu_sec"].as_f64().unwrap() > 0.0,
+            "device CPU: {}",
+            vb["device"]
+        );
+    }
+}
+
+#[test]
+fn embedded_device_job_is_verified_and_adds_up() {
+    let v = bench_json(SHORT);
+    check_job(&v, 4096, true);
+    assert!(v["vblk"]["target"]
+        .as_str()
+        .unwrap()
+        .starts_with("embedded vblk device"));
+}
+
+#[test]
+fn vblk_serve_over_a_socket_with_its_pid() {
+    let dir = workdir();
+    let img = dir.path().join("disk.img");
+    std::fs::write(&img, vec![0u8; 32 << 20]).unwrap();
+    let sock = dir.path().join("s.sock");
+    let d = Daemon::start(
+        Backend::Vblk,
+        "vblk",
+        &Export::new(&img, 1),
+        &sock,
+        &dir.path().join("log"),
+    );
+    let pid = d.pid().to_string();
+    let mut args = SHORT.to_vec();
+    args.extend(["--socket", sock.to_str().unwrap(), "--device-pid", &pid]);
+    let v = bench_json(&args);
+    check_job(&v, 4096, true);
+}
+
+#[test]
+fn qemu_storage_daemon_over_a_socket() {
+    let dir = workdir();
+    let img = dir.path().join("disk.img");
+    std::fs::write(&img, vec![0u8; 32 << 20]).unwrap();
+    let sock = dir.path().join("q.sock");
+    let d = Daemon::start(
+        Backend::QemuStorageDaemon,
+        "qsd",
+        &Export::new(&img, 1),
+        &sock,
+        &dir.path().join("log"),
+    );
+    let pid = d.pid().to_string();
+    let mut args = SHORT.to_vec();
+    args.extend(["--socket", sock.to_str().unwrap(), "--device-pid", &pid]);
+    let v = bench_json(&args);
+    check_job(&v, 4096, true);
+}
+
+#[test]
+fn baseline_on_an_o_direct_file() {
+    let dir = workdir();
+    let img: PathBuf = dir.path().join("disk.img");
+    std::fs::write(&img, vec![0u8; 32 << 20]).unwrap();
+    let mut args = SHORT.to_vec();
+    let disk = img.to_str().unwrap();
+    args.extend(["--baseline", "--disk", disk, "--cache", "none"]);
+    let v = bench_json(&args);
+    check_job(&v, 4096, false);
+    assert_eq!(v["vblk"]["path"], "baseline");
+}
+
+#[test]
+fn compare_prints_a_table_with_ratios_and_plots_it() {
+    let dir = workdir();
+    let svg = dir.path().join("paths.svg");
+    let out = vblk()
+        .args([
+            "bench",
+            "--rw=randread",
+            "--bs=4k",
+            "--iodepth=4",
+            "--size=8m",
+            "--runtime=300ms",
+            "--time_based",
+        ])
+        .args(["--compare", "path=bio,batch", "--repeat", "2", "--plot"])
+        .arg(&svg)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bio = text
+        .lines()
+        .find(|l| l.starts_with("path=bio"))
+        .expect(&text);
+    assert!(
+        bio.contains(" 1.00 "),
+        "first variant has ratio 1.00: {bio}"
+    );
+    assert!(text.lines().any(|l| l.starts_with("path=batch")), "{text}");
+    assert!(text.contains("2 run(s) per variant"), "{text}");
+    let svg = std::fs::read_to_string(svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("path=batch"));
+}
+
+fn write_job(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn the_iometer_job_file_runs_unchanged_and_reports_what_it_ignores() {
+    let dir = workdir();
+    let file = write_job(
+        dir.path(),
+        "iometer.fio",
+        include_str!("../../../bench/jobs/iometer-file-server.fio"),
+    );
+    // The file's own 60 s timeout is shortened from the command line.
+    let out = vblk()
+        .args(["bench", "--disk", "mem:256M", "--runtime=1"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.starts_with("/dev/xvda: (jobs=2): rw=randrw"), "{text}");
+    assert_eq!(text.matches("option direct ignored").count(), 1, "{text}");
+    assert_eq!(text.matches("option ioengine ignored").count(), 1, "{text}");
+    assert!(text.contains("size 4294967296 is larger than"), "{text}");
+    assert!(
+        text.contains("read: IOPS=") && text.contains("write: IOPS="),
+        "{text}"
+    );
+}
+
+#[test]
+fn bad_job_file_names_the_line() {
+    let dir = workdir();
+    let file = write_job(
+        dir.path(),
+        "bad.fio",
+        "[global]\nbs=4k\n[job1]\nrw=sideways\n",
+    );
+    let out = vblk().arg("bench").arg(&file).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad.fio: line 4:"), "{err}");
+    assert!(err.contains("sideways"), "{err}");
+}
