@@ -68,38 +68,6 @@ pub fn default_job() -> JobSpec {
     j
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn default_job_is_4k_randread_qd32_time_based() {
-        let j = default_job();
-        assert_eq!(j.rw, crate::job::RwMode::RandRead);
-        assert_eq!((j.bs, j.iodepth), (4096, 32));
-        assert!(j.time_based);
-        assert_eq!(j.runtime, Some(Duration::from_secs(2)));
-        assert_eq!(j.ramp_time, Duration::from_millis(500));
-    }
-
-    #[test]
-    fn variants_reach_the_target_the_run_or_the_jobs() {
-        let mut jobs = vec![default_job()];
-        let mut t = TargetSpec::Embedded(embedded_defaults());
-        let mut r = RunConfig::default();
-        apply_variant("path", "batch", &mut jobs, &mut t, &mut r).unwrap();
-        assert_eq!(r.path, PathKind::Batch);
-        apply_variant("poll-us", "7", &mut jobs, &mut t, &mut r).unwrap();
-        apply_variant("iodepth", "8", &mut jobs, &mut t, &mut r).unwrap();
-        assert_eq!(jobs[0].iodepth, 8);
-        apply_variant("target", "baseline", &mut jobs, &mut t, &mut r).unwrap();
-        assert!(matches!(t, TargetSpec::Baseline { .. }));
-        let e = apply_variant("poll_us", "7", &mut jobs, &mut t, &mut r).unwrap_err();
-        assert!(e.contains("embedded device"), "{e}");
-        assert!(apply_variant("path", "elevator", &mut jobs, &mut t, &mut r).is_err());
-    }
-}
-
 /// Apply one `key=value` of a variant: bench keys change the target or the run, anything
 /// else is a job option.
 pub fn apply_variant(
@@ -337,4 +305,36 @@ pub fn execute(plan: &Plan) -> Result<String, String> {
         out.push('\n');
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_job_is_4k_randread_qd32_time_based() {
+        let j = default_job();
+        assert_eq!(j.rw, crate::job::RwMode::RandRead);
+        assert_eq!((j.bs, j.iodepth), (4096, 32));
+        assert!(j.time_based);
+        assert_eq!(j.runtime, Some(Duration::from_secs(2)));
+        assert_eq!(j.ramp_time, Duration::from_millis(500));
+    }
+
+    #[test]
+    fn variants_reach_the_target_the_run_or_the_jobs() {
+        let mut jobs = vec![default_job()];
+        let mut t = TargetSpec::Embedded(embedded_defaults());
+        let mut r = RunConfig::default();
+        apply_variant("path", "batch", &mut jobs, &mut t, &mut r).unwrap();
+        assert_eq!(r.path, PathKind::Batch);
+        apply_variant("poll-us", "7", &mut jobs, &mut t, &mut r).unwrap();
+        apply_variant("iodepth", "8", &mut jobs, &mut t, &mut r).unwrap();
+        assert_eq!(jobs[0].iodepth, 8);
+        apply_variant("target", "baseline", &mut jobs, &mut t, &mut r).unwrap();
+        assert!(matches!(t, TargetSpec::Baseline { .. }));
+        let e = apply_variant("poll_us", "7", &mut jobs, &mut t, &mut r).unwrap_err();
+        assert!(e.contains("embedded device"), "{e}");
+        assert!(apply_variant("path", "elevator", &mut jobs, &mut t, &mut r).is_err());
+    }
 }

@@ -189,6 +189,12 @@ impl BlkDevice {
     pub(crate) fn ack(&self, features: u64) {
         self.shared.acked.store(features, Ordering::Relaxed);
     }
+
+    /// Whether writes must be durable before they complete (tests).
+    #[cfg(test)]
+    pub(crate) fn write_through(&self) -> bool {
+        self.shared.write_through()
+    }
 }
 
 /// A poisoned worker lock means a worker panicked; the state is still usable (all

@@ -813,3 +813,52 @@ fn many_requests_in_one_batch_all_complete() {
         assert_eq!(got, disk[(r * 512) as usize..(r * 512 + 512) as usize]);
     }
 }
+
+// ---- configuration space ----
+
+#[test]
+fn driver_write_of_writeback_through_set_config_takes_effect() {
+    use vhost_user_backend::VhostUserBackend;
+    let rig = Rig::new(false, EngineKind::Sync);
+    let wb = |d: &BlkDevice| d.get_config(proto::config::WRITEBACK_OFFSET as u32, 1)[0];
+    assert_eq!(wb(&rig.dev), 1, "writeback by default");
+    rig.dev.set_config(32, &[0]).unwrap();
+    assert_eq!(wb(&rig.dev), 0, "the driver switched to writethrough");
+    assert!(rig.dev.write_through());
+    rig.dev.set_config(32, &[1]).unwrap();
+    assert_eq!(wb(&rig.dev), 1);
+    assert!(!rig.dev.write_through());
+    // Other fields are read-only.
+    assert!(rig.dev.set_config(0, &[0; 8]).is_err());
+    assert_eq!(
+        rig.dev.get_config(0, 8),
+        CAPACITY.to_le_bytes().to_vec(),
+        "capacity unchanged"
+    );
+    // Without CONFIG_WCE the write is ignored.
+    let rig = Rig::with_features(
+        false,
+        EngineKind::Sync,
+        all_features() & !feature::bit(feature::CONFIG_WCE),
+    );
+    rig.dev.set_config(32, &[0]).unwrap();
+    assert_eq!(wb(&rig.dev), 1);
+}
+
+#[test]
+fn config_space_reports_the_disk_and_limits() {
+    use vhost_user_backend::VhostUserBackend;
+    let rig = Rig::new(false, EngineKind::Sync);
+    let c = proto::BlkConfig::from_bytes(&rig.dev.get_config(0, proto::config::CONFIG_LEN as u32));
+    assert_eq!(c.capacity, CAPACITY);
+    assert_eq!(c.seg_max, u32::from(QSIZE) - 2);
+    assert_eq!(c.size_max, crate::config::SIZE_MAX);
+    assert_eq!(c.blk_size, 512);
+    assert_eq!(c.num_queues, 1);
+    assert_eq!((c.max_discard_seg, c.max_write_zeroes_seg), (1, 1));
+    assert!(c.max_discard_sectors > 0 && c.max_write_zeroes_sectors > 0);
+    assert_eq!(c.write_zeroes_may_unmap, 1);
+    // Reads past the defined fields are zero-filled; absurd ranges are refused.
+    assert_eq!(rig.dev.get_config(72, 24), vec![0; 24]);
+    assert!(rig.dev.get_config(u32::MAX, 4).is_empty());
+}

@@ -84,7 +84,7 @@ impl Shared {
     }
 
     /// Writes must reach stable storage before they complete (writethrough).
-    fn write_through(&self) -> bool {
+    pub(crate) fn write_through(&self) -> bool {
         let acked = self.acked.load(Ordering::Relaxed);
         if acked & feature::bit(feature::FLUSH) == 0 {
             // A driver that cannot flush must get durable writes (virtio 1.2 §5.2.6.1).
