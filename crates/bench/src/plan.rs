@@ -122,6 +122,20 @@ pub fn apply_variant(
                 .map_err(|e: storage::Error| bad(&e.to_string()))?
         }
         ("target", t) => *t = switch_target(t, value).map_err(|e| bad(&e))?,
+        ("socket", t) => {
+            // PATH or PATH@PID: compare devices side by side in one run.
+            let (path, pid) = match value.rsplit_once('@') {
+                Some((p, pid)) => (
+                    p,
+                    Some(pid.parse().map_err(|_| bad("expected PATH or PATH@PID"))?),
+                ),
+                None => (value, None),
+            };
+            *t = TargetSpec::Socket {
+                path: path.into(),
+                device_pid: pid,
+            };
+        }
         ("engine" | "poll_us" | "threads" | "disk" | "cache", _) => {
             return Err(bad(
                 "this option applies to the embedded device or the baseline only",
@@ -333,6 +347,16 @@ mod tests {
         assert_eq!(jobs[0].iodepth, 8);
         apply_variant("target", "baseline", &mut jobs, &mut t, &mut r).unwrap();
         assert!(matches!(t, TargetSpec::Baseline { .. }));
+        apply_variant("socket", "/run/a.sock@42", &mut jobs, &mut t, &mut r).unwrap();
+        assert!(
+            matches!(&t, TargetSpec::Socket { path, device_pid: Some(42) } if path.to_str() == Some("/run/a.sock"))
+        );
+        assert!(apply_variant("socket", "/run/a.sock@x", &mut jobs, &mut t, &mut r).is_err());
+        let mut t = TargetSpec::Baseline {
+            disk: DiskSpec::Mem(1 << 20),
+            engine: EngineKind::Sync,
+            cache: CacheMode::Writeback,
+        };
         let e = apply_variant("poll_us", "7", &mut jobs, &mut t, &mut r).unwrap_err();
         assert!(e.contains("embedded device"), "{e}");
         assert!(apply_variant("path", "elevator", &mut jobs, &mut t, &mut r).is_err());

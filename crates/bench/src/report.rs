@@ -290,9 +290,15 @@ impl Row {
 pub fn compare_text(rows: &[Row]) -> String {
     let mut out = String::new();
     let base = rows.first().map(|r| r.iops().0).unwrap_or(0.0);
+    let w = rows
+        .iter()
+        .map(|r| r.label.len())
+        .max()
+        .unwrap_or(0)
+        .max(24);
     let _ = writeln!(
         out,
-        "{:<24} {:>20} {:>7} {:>12} {:>10} {:>10} {:>14} {:>14}",
+        "{:<w$} {:>20} {:>7} {:>12} {:>10} {:>10} {:>14} {:>14}",
         "variant",
         "IOPS (mean ± sd)",
         "ratio",
@@ -316,7 +322,7 @@ pub fn compare_text(rows: &[Row]) -> String {
         let ratio = if base > 0.0 { m / base } else { 0.0 };
         let _ = writeln!(
             out,
-            "{:<24} {:>20} {:>7.2} {:>12.1} {:>8.1}µs {:>8.1}µs {:>14} {:>14}",
+            "{:<w$} {:>20} {:>7.2} {:>12.1} {:>8.1}µs {:>8.1}µs {:>14} {:>14}",
             r.label,
             format!("{} ± {}", human(m), human(sd)),
             ratio,

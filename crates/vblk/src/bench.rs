@@ -127,7 +127,8 @@ pub struct BenchArgs {
     #[arg(long, value_name = "US", default_value_t = 50)]
     pub spin_us: u64,
     /// Run each job once per value of an option (any job or bench option), e.g.
-    /// path=bio,batch or engine=io_uring,sync or target=embedded,baseline.
+    /// path=bio,batch or engine=io_uring,sync or target=embedded,baseline or
+    /// socket=/run/a.sock@PID,/run/b.sock@PID (devices side by side).
     #[arg(long, value_name = "KEY=V1,V2")]
     pub compare: Option<String>,
     /// Runs per variant (the table shows mean ± stddev).
