@@ -178,12 +178,14 @@ fn switch_target(t: &TargetSpec, to: &str) -> Result<TargetSpec, String> {
     }
 }
 
-/// The embedded device vblk bench starts by default: a 1 GiB RAM disk on io_uring.
+/// The embedded device vblk bench starts by default: a 1 GiB RAM disk on io_uring,
+/// preallocated so that no measurement pays for first-touch page faults.
 pub fn embedded_defaults() -> device::DeviceConfig {
     device::DeviceConfig {
         disk: DiskSpec::Mem(1 << 30),
         engine: EngineKind::IoUring,
         cache: CacheMode::Writeback,
+        prealloc: true,
         ..Default::default()
     }
 }
@@ -260,7 +262,7 @@ pub fn execute(plan: &Plan) -> Result<String, String> {
                 for v in values {
                     let mut jobs = vec![job.clone()];
                     let mut target = plan.target.clone();
-                    let mut run = plan.run;
+                    let mut run = plan.run.clone();
                     apply_variant(key, v, &mut jobs, &mut target, &mut run)?;
                     let label = format!("{key}={v}");
                     let mut runs = Vec::new();
@@ -340,6 +342,8 @@ mod tests {
         let mut jobs = vec![default_job()];
         let mut t = TargetSpec::Embedded(embedded_defaults());
         let mut r = RunConfig::default();
+        assert_eq!(auto_pin(1, 1, 2), Some((vec![0], vec![1])));
+        assert_eq!(auto_pin(2, 1, 2), None);
         apply_variant("path", "batch", &mut jobs, &mut t, &mut r).unwrap();
         assert_eq!(r.path, PathKind::Batch);
         apply_variant("poll-us", "7", &mut jobs, &mut t, &mut r).unwrap();

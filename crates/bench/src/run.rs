@@ -16,7 +16,7 @@ use crate::verify::{self, WrittenMap};
 use crate::workload::{Generator, IoDir};
 
 /// How to run (what a job file does not say).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct RunConfig {
     /// The driver's I/O path.
     pub path: PathKind,
@@ -26,6 +26,11 @@ pub struct RunConfig {
     pub queue_size: u16,
     /// Seed of the workload generators (each clone adds its index).
     pub seed: u64,
+    /// Pin job threads and the embedded device's workers to separate CPUs when the
+    /// machine has enough (so that the scheduler cannot put both on one CPU mid-run).
+    pub pin: bool,
+    /// CPUs for the job threads: clone i on `job_cpus[i % len]` (empty: not pinned).
+    pub job_cpus: Vec<usize>,
 }
 
 impl Default for RunConfig {
@@ -35,6 +40,8 @@ impl Default for RunConfig {
             spin: Duration::from_micros(50),
             queue_size: 256,
             seed: 0x5eed,
+            pin: true,
+            job_cpus: Vec::new(),
         }
     }
 }
@@ -277,9 +284,15 @@ pub fn run_job(
                 let barrier = barrier.clone();
                 let window = window.clone();
                 let seed = cfg.seed.wrapping_add(i as u64 * 0x9E37_79B9);
+                let cpu = (!cfg.job_cpus.is_empty()).then(|| cfg.job_cpus[i % cfg.job_cpus.len()]);
                 std::thread::Builder::new()
                     .name(format!("vblk-job{i}"))
                     .spawn_scoped(s, move || {
+                        if let Some(c) = cpu {
+                            if let Err(e) = device::config::pin_current_thread(c) {
+                                log::warn!("cannot pin job {i} to CPU {c}: {e}");
+                            }
+                        }
                         barrier.wait();
                         let r = run_clone(
                             spec,

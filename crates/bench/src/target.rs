@@ -141,6 +141,7 @@ impl Target {
                     &OpenOptions {
                         read_only: false,
                         cache: *cache,
+                        prealloc: true,
                     },
                 )
                 .map_err(|e| e.to_string())?;

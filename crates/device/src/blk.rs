@@ -75,7 +75,7 @@ impl BlkDevice {
         });
         let masks: Vec<u64> = (0..config.threads).map(|t| config.queue_mask(t)).collect();
         let mut workers = Vec::with_capacity(config.threads);
-        for &mask in &masks {
+        for (t, &mask) in masks.iter().enumerate() {
             let owned: Vec<usize> = (0..num_queues).filter(|i| mask & (1 << i) != 0).collect();
             let depth = u32::from(config.queue_size) * owned.len() as u32;
             let engine = disk.engine(config.engine, depth)?;
@@ -85,6 +85,7 @@ impl BlkDevice {
                 &owned,
                 config.queue_size,
                 config.poll_us,
+                (!config.cpus.is_empty()).then(|| config.cpus[t % config.cpus.len()]),
             )));
         }
         let mut features = feature::bit(feature::VERSION_1)

@@ -34,6 +34,8 @@ pub struct DeviceConfig {
     pub read_only: bool,
     /// Page cache or O_DIRECT.
     pub cache: CacheMode,
+    /// RAM disks: allocate every page at start.
+    pub prealloc: bool,
     /// The GET_ID string; None derives one from the disk.
     pub serial: Option<String>,
     /// Number of virtqueues.
@@ -46,6 +48,9 @@ pub struct DeviceConfig {
     pub engine: EngineKind,
     /// Polling window in microseconds (0: never spin).
     pub poll_us: u64,
+    /// CPUs to run workers on: worker t on `cpus[t % len]` (empty: wherever the
+    /// scheduler puts them).
+    pub cpus: Vec<usize>,
 }
 
 impl Default for DeviceConfig {
@@ -54,12 +59,14 @@ impl Default for DeviceConfig {
             disk: DiskSpec::Null(1 << 30),
             read_only: false,
             cache: CacheMode::default(),
+            prealloc: false,
             serial: None,
             num_queues: DEFAULT_NUM_QUEUES,
             threads: 1,
             queue_size: DEFAULT_QUEUE_SIZE,
             engine: EngineKind::default(),
             poll_us: DEFAULT_POLL_US,
+            cpus: Vec::new(),
         }
     }
 }
@@ -88,6 +95,14 @@ pub enum ConfigError {
         serial: String,
         /// Its length in bytes.
         len: usize,
+    },
+    /// A CPU that does not exist.
+    #[error("--cpus: CPU {cpu} does not exist (this machine has {count})")]
+    Cpu {
+        /// The CPU asked for.
+        cpu: usize,
+        /// CPUs on the machine.
+        count: usize,
     },
     /// Poll window absurdly large.
     #[error("--poll-us {0}: must be at most 1000000 (one second)")]
@@ -120,6 +135,10 @@ impl DeviceConfig {
         if self.poll_us > 1_000_000 {
             return Err(ConfigError::PollUs(self.poll_us));
         }
+        let count = cpu_count();
+        if let Some(&cpu) = self.cpus.iter().find(|&&c| c >= count) {
+            return Err(ConfigError::Cpu { cpu, count });
+        }
         Ok(())
     }
 
@@ -128,6 +147,52 @@ impl DeviceConfig {
         (0..usize::from(self.num_queues))
             .filter(|i| i % self.threads == t)
             .fold(0, |m, i| m | (1 << i))
+    }
+}
+
+/// CPUs the machine has.
+pub fn cpu_count() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Parse a CPU list: `0,2,4-7`.
+pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
+    let mut out = Vec::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        let bad = || format!("bad CPU list {s:?} (expected e.g. 0,2,4-7)");
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) =
+                    (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+                if a > b {
+                    return Err(bad());
+                }
+                out.extend(a..=b);
+            }
+            None => out.push(part.parse().map_err(|_| bad())?),
+        }
+    }
+    if out.is_empty() {
+        return Err(format!("empty CPU list {s:?}"));
+    }
+    Ok(out)
+}
+
+/// Pin the calling thread to `cpu`.
+pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
+    // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    // SAFETY: CPU_SET writes one bit inside `set`; cpu is below CPU_SETSIZE (checked).
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: pid 0 is the calling thread; set is a valid cpu_set_t of the size passed.
+    let r = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -164,5 +229,22 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.validate().is_err());
+        let bad = DeviceConfig {
+            cpus: vec![4096],
+            ..Default::default()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("CPU 4096 does not exist"));
+    }
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(parse_cpu_list("0,2,4-6"), Ok(vec![0, 2, 4, 5, 6]));
+        assert!(parse_cpu_list("3-1").is_err());
+        assert!(parse_cpu_list("x").is_err());
+        assert!(parse_cpu_list("").is_err());
     }
 }

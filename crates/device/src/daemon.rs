@@ -61,6 +61,7 @@ pub fn serve(
         &OpenOptions {
             read_only: config.read_only,
             cache: config.cache,
+            prealloc: config.prealloc,
         },
     )?);
     info!(

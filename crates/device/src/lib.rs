@@ -8,6 +8,8 @@
 //!   chains, has `proto` check them, hands payload iovecs to the engine, publishes
 //!   completions and signals the driver once per batch.
 //! - `poll`: the adaptive polling window a worker spins in before it sleeps.
+//! - `used`: publishing a pass's completions with one used-index update and deciding
+//!   whether the driver wants a notification (EVENT_IDX or NO_INTERRUPT).
 //! - [`daemon`]: listening (a path or an inherited fd), one frontend at a time, going back
 //!   to listening when it leaves.
 //!
@@ -22,6 +24,7 @@ pub mod daemon;
 mod poll;
 #[cfg(test)]
 mod tests;
+mod used;
 mod worker;
 
 pub use blk::BlkDevice;

@@ -31,6 +31,7 @@ const STATUS: u64 = 0x2000;
 const DATA: u64 = 0x8000;
 const TABLE: u64 = 0x4000;
 const OUTSIDE: u64 = 0x30_0000;
+const USED_RING: u64 = 0x800;
 
 fn all_features() -> u64 {
     [
@@ -98,6 +99,7 @@ impl Rig {
                 &OpenOptions {
                     read_only,
                     cache: config.cache,
+                    prealloc: false,
                 },
             )
             .unwrap(),
@@ -105,21 +107,16 @@ impl Rig {
         let atomic = GuestMemoryAtomic::new(mem.clone());
         let dev = BlkDevice::new(&config, &disk, atomic.clone()).unwrap();
         dev.ack(features & vhost_user_backend::VhostUserBackend::features(&dev));
+        // The mock lays out the descriptor table and the avail ring. Its used ring address
+        // is computed from the avail ring's entry count rather than its byte length, which
+        // makes the used ring overlap the avail ring (and used_event) for queues of more than
+        // a few entries, so the used ring gets an address of its own.
         let mock = MockSplitQueue::new(&mem, QSIZE);
-        let (desc, avail, used) = (
-            mock.desc_table_addr().0,
-            mock.avail_addr().0,
-            mock.used_addr().0,
-        );
+        let (desc, avail, used) = (mock.desc_table_addr().0, mock.avail_addr().0, USED_RING);
+        assert!(avail + 6 + 2 * u64::from(QSIZE) <= used);
         let vring = Vring::new(atomic, QSIZE).unwrap();
         vring.set_queue_size(QSIZE);
-        vring
-            .set_queue_info(
-                mock.desc_table_addr().0,
-                mock.avail_addr().0,
-                mock.used_addr().0,
-            )
-            .unwrap();
+        vring.set_queue_info(desc, avail, used).unwrap();
         vring.set_queue_event_idx(features & feature::bit(feature::RING_EVENT_IDX) != 0);
         vring.set_queue_ready(true);
         vring.set_enabled(true);
@@ -861,4 +858,107 @@ fn config_space_reports_the_disk_and_limits() {
     // Reads past the defined fields are zero-filled; absurd ranges are refused.
     assert_eq!(rig.dev.get_config(72, 24), vec![0; 24]);
     assert!(rig.dev.get_config(u32::MAX, 4).is_empty());
+}
+
+// ---- notification suppression ----
+
+/// A call eventfd on the rig's queue; returns how many notifications it has counted.
+fn attach_call(rig: &Rig) -> vmm_sys_util::eventfd::EventFd {
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    let call = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    let dup = call.try_clone().unwrap();
+    // SAFETY: into_raw_fd hands over ownership of a valid fd to the File.
+    let file = unsafe { std::fs::File::from_raw_fd(dup.into_raw_fd()) };
+    rig.vring[0].set_call(Some(file));
+    call
+}
+
+fn notifications(call: &vmm_sys_util::eventfd::EventFd) -> u64 {
+    call.read().unwrap_or(0)
+}
+
+/// Publish `n` flush requests (heads 0, 2, 4, ...) in one go and run the worker once.
+fn flush_batch(rig: &mut Rig, n: u16) {
+    for r in 0..n {
+        let hdr = HDR + 0x20 * u64::from(r);
+        rig.write_header(hdr, req_type::FLUSH, 0);
+        rig.store_desc(2 * r, d(hdr, 16, F_NEXT, 2 * r + 1));
+        rig.store_desc(2 * r + 1, d(STATUS + u64::from(r), 1, F_WRITE, 0));
+        rig.set_avail(rig.next_avail, 2 * r);
+        rig.next_avail = rig.next_avail.wrapping_add(1);
+    }
+    rig.set_avail_idx(rig.next_avail);
+    let target = rig.used_idx().wrapping_add(n);
+    for _ in 0..1000 {
+        rig.dev.run_worker(0, &rig.vring);
+        if rig.used_idx() == target {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    panic!("batch of {n} not completed");
+}
+
+#[test]
+fn a_batch_is_published_with_one_notification() {
+    let mut rig = Rig::with_features(
+        false,
+        EngineKind::Sync,
+        all_features() & !feature::bit(feature::RING_EVENT_IDX),
+    );
+    let call = attach_call(&rig);
+    flush_batch(&mut rig, 5);
+    assert_eq!(rig.used_idx(), 5);
+    assert_eq!(notifications(&call), 1, "one interrupt for the batch of 5");
+}
+
+#[test]
+fn no_interrupt_flag_is_honoured_without_event_idx() {
+    let mut rig = Rig::with_features(
+        false,
+        EngineKind::Sync,
+        all_features() & !feature::bit(feature::RING_EVENT_IDX),
+    );
+    let call = attach_call(&rig);
+    rig.mem.write_obj(1u16, GuestAddress(rig.avail)).unwrap(); // VRING_AVAIL_F_NO_INTERRUPT
+    flush_batch(&mut rig, 3);
+    assert_eq!(
+        notifications(&call),
+        0,
+        "the driver asked not to be interrupted"
+    );
+    rig.mem.write_obj(0u16, GuestAddress(rig.avail)).unwrap();
+    flush_batch(&mut rig, 1);
+    assert_eq!(notifications(&call), 1);
+}
+
+#[test]
+fn used_event_is_honoured_with_event_idx() {
+    let mut rig = Rig::new(false, EngineKind::Sync);
+    let call = attach_call(&rig);
+    let used_event = GuestAddress(rig.avail + 4 + 2 * u64::from(QSIZE));
+    // The driver wants to hear only when the used index passes 10.
+    rig.mem.write_obj(10u16, used_event).unwrap();
+    flush_batch(&mut rig, 4);
+    assert_eq!(
+        notifications(&call),
+        0,
+        "used index 4 has not passed used_event 10"
+    );
+    flush_batch(&mut rig, 4);
+    assert_eq!(
+        notifications(&call),
+        0,
+        "used index 8 has not passed used_event 10"
+    );
+    flush_batch(&mut rig, 4);
+    assert_eq!(
+        notifications(&call),
+        1,
+        "used index 12 passed used_event 10"
+    );
+    // Re-armed at the current index: the next completion notifies.
+    rig.mem.write_obj(rig.used_idx(), used_event).unwrap();
+    flush_batch(&mut rig, 1);
+    assert_eq!(notifications(&call), 1);
 }

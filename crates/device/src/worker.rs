@@ -24,6 +24,7 @@ use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 
 use crate::poll::Poll;
+use crate::used::UsedBatch;
 
 /// Guest memory as the device maps it.
 pub(crate) type Mem = GuestMemoryMmap<()>;
@@ -106,8 +107,8 @@ struct LocalQueue {
     index: usize,
     /// Request slots indexed by descriptor head.
     slots: Vec<Slot>,
-    /// New used entries since the last signal.
-    signal: bool,
+    /// Completions not yet published in the used ring.
+    used: UsedBatch,
     /// Notifications are currently disabled by us (we are polling this queue).
     quiet: bool,
     /// Bad requests seen.
@@ -130,6 +131,8 @@ pub(crate) struct Worker {
     mem: Option<Arc<Mem>>,
     /// Older memory maps still referenced by in-flight requests.
     retired: Vec<Arc<Mem>>,
+    /// The CPU this worker's thread should run on, until it has been pinned there.
+    pin: Option<usize>,
 }
 
 impl Worker {
@@ -140,6 +143,7 @@ impl Worker {
         owned: &[usize],
         queue_size: u16,
         poll_us: u64,
+        cpu: Option<usize>,
     ) -> Worker {
         let qsize = usize::from(queue_size);
         // A request can split at memory-region boundaries: room for twice seg_max buffers.
@@ -154,7 +158,7 @@ impl Worker {
                         req: Request::with_capacity(max_iov),
                     })
                     .collect(),
-                signal: false,
+                used: UsedBatch::new(qsize),
                 quiet: false,
                 bad: 0,
             })
@@ -172,6 +176,7 @@ impl Worker {
             pushed: false,
             mem: None,
             retired: Vec::new(),
+            pin: cpu,
         }
     }
 
@@ -183,6 +188,13 @@ impl Worker {
     /// Run passes over `vrings` (this worker's queues, in the order of `owned`) until the
     /// queues are dry, the polling window has passed and notifications are re-armed.
     pub(crate) fn run(&mut self, vrings: &[Vring]) {
+        if let Some(cpu) = self.pin.take() {
+            // vhost-user-backend owns the worker threads; a worker pins the thread it runs on
+            // the first time it runs.
+            if let Err(e) = crate::config::pin_current_thread(cpu) {
+                warn!("cannot pin a worker to CPU {cpu}: {e}");
+            }
+        }
         let mut idle_since: Option<Instant> = None;
         let mut polling = false;
         loop {
@@ -199,7 +211,7 @@ impl Worker {
                     self.pushed = true;
                 }
             }
-            progress |= self.reap(vrings, &mem);
+            progress |= self.reap();
             self.signal(vrings, &mem);
             if progress {
                 if polling {
@@ -382,19 +394,15 @@ impl Worker {
                     // SAFETY: as above, status_ptr is a checked byte of guest memory.
                     unsafe { slot.req.status_ptr.write_volatile(status::OK) };
                 }
-                if let Err(e) = st.get_queue_mut().add_used(mem, head, used_len) {
-                    stop_queue(qs, q.index, &format!("cannot write the used ring: {e}"));
-                    return true;
-                }
+                q.used.push(head, used_len);
                 qs.completed.fetch_add(1, Ordering::Relaxed);
-                q.signal = true;
             }
         }
         true
     }
 
     /// Complete every finished operation. True if any finished.
-    fn reap(&mut self, vrings: &[Vring], mem: &Mem) -> bool {
+    fn reap(&mut self) -> bool {
         if self.in_flight == 0 {
             return false;
         }
@@ -407,7 +415,6 @@ impl Worker {
         self.in_flight -= n;
         for (qi, q) in self.queues.iter_mut().enumerate() {
             let qs = &self.shared.queues[q.index];
-            let mut guard = None;
             for c in self.done.iter().filter(|c| (c.token >> 32) as usize == qi) {
                 let head = c.token as u16;
                 let Some(slot) = q.slots.get_mut(usize::from(head)) else {
@@ -428,35 +435,29 @@ impl Worker {
                 // SAFETY: status_ptr is a checked byte of guest memory, kept mapped by
                 // `mem` or `self.retired` while the request was in flight.
                 unsafe { slot.req.status_ptr.write_volatile(st_byte) };
-                let st = guard.get_or_insert_with(|| vrings[qi].get_mut());
-                if let Err(e) = st.get_queue_mut().add_used(mem, head, used_len) {
-                    stop_queue(qs, q.index, &format!("cannot write the used ring: {e}"));
-                }
+                q.used.push(head, used_len);
                 qs.completed.fetch_add(1, Ordering::Relaxed);
-                q.signal = true;
             }
         }
         true
     }
 
-    /// Signal each queue with new used entries once, if the driver wants to hear of them.
+    /// Publish each queue's completions with one used-index update and notify the driver
+    /// once, if it wants to hear of them.
     fn signal(&mut self, vrings: &[Vring], mem: &Mem) {
         for (qi, q) in self.queues.iter_mut().enumerate() {
-            if !std::mem::take(&mut q.signal) {
+            if q.used.is_empty() {
                 continue;
             }
             let mut st = vrings[qi].get_mut();
-            match st.get_queue_mut().needs_notification(mem) {
+            match q.used.publish(st.get_queue_mut(), mem) {
                 Ok(true) => {
                     if let Err(e) = st.signal_used_queue() {
                         warn!("queue {}: cannot signal the driver: {e}", q.index);
                     }
                 }
                 Ok(false) => {}
-                Err(e) => {
-                    let qs = &self.shared.queues[q.index];
-                    stop_queue(qs, q.index, &format!("cannot read used_event: {e}"));
-                }
+                Err(e) => stop_queue(&self.shared.queues[q.index], q.index, &e),
             }
         }
     }
@@ -488,7 +489,6 @@ impl Worker {
     pub(crate) fn reset_queue(&mut self, index: usize) {
         if let Some(q) = self.queues.iter_mut().find(|q| q.index == index) {
             q.quiet = false;
-            q.signal = false;
             q.bad = 0;
         }
     }

@@ -55,11 +55,11 @@ pub(crate) struct Layout {
     pub desc: usize,
     pub avail: usize,
     pub used: usize,
-    /// Per head: a 16-byte request header and 32 bytes of request-owned payload (discard
-    /// segment, GET_ID answer).
+    /// Per head, one cache line: the 16-byte request header, 32 bytes of request-owned
+    /// payload (discard segment, GET_ID answer) and, at [`STATUS_AT`], the status byte. The
+    /// device reads the header and writes the status in the same line, so a request moves
+    /// one line between the cores instead of two, and no line is shared between requests.
     pub aux: usize,
-    /// Per head: the status byte.
-    pub status: usize,
     /// Per head: an indirect table of `max_indirect` descriptors.
     pub indirect: usize,
     pub max_indirect: u16,
@@ -67,8 +67,10 @@ pub(crate) struct Layout {
     pub len: usize,
 }
 
-/// Bytes of request-owned memory per head.
-pub(crate) const AUX_LEN: usize = 48;
+/// Bytes of request-owned memory per head: one cache line.
+pub(crate) const AUX_LEN: usize = 64;
+/// Offset of the status byte in a head's request area.
+pub(crate) const STATUS_AT: usize = 48;
 
 impl Layout {
     pub(crate) fn new(size: u16, max_indirect: u16) -> Layout {
@@ -77,8 +79,7 @@ impl Layout {
         let avail = desc + 16 * n;
         let used = (avail + 6 + 2 * n).next_multiple_of(PAGE);
         let aux = (used + 6 + 8 * n).next_multiple_of(64);
-        let status = aux + AUX_LEN * n;
-        let indirect = (status + n).next_multiple_of(64);
+        let indirect = (aux + AUX_LEN * n).next_multiple_of(64);
         let len = (indirect + 16 * n * usize::from(max_indirect)).next_multiple_of(PAGE);
         Layout {
             size,
@@ -86,7 +87,6 @@ impl Layout {
             avail,
             used,
             aux,
-            status,
             indirect,
             max_indirect,
             len,
@@ -214,7 +214,7 @@ impl SplitRing {
 
     /// Host pointer to the status byte of `head`.
     pub(crate) fn status(&self, head: u16) -> *mut u8 {
-        self.at(self.layout.status + usize::from(head))
+        self.at(self.layout.aux + AUX_LEN * usize::from(head) + STATUS_AT)
     }
 
     /// Descriptors a request of `segs` buffers takes from the table.

@@ -67,6 +67,10 @@ pub struct OpenOptions {
     pub read_only: bool,
     /// Page cache use (files and block devices; RAM and null disks ignore it).
     pub cache: CacheMode,
+    /// RAM disks only: allocate and map every page at open (like QEMU's `prealloc=on`),
+    /// so that no I/O pays for a first-touch page fault and running out of memory is an
+    /// error at open rather than later.
+    pub prealloc: bool,
 }
 
 /// What kind of thing holds the bytes.
@@ -409,11 +413,18 @@ fn open_mem(size: u64, opts: &OpenOptions) -> Result<Backend, Error> {
     if unsafe { libc::ftruncate(file.as_raw_fd(), off) } != 0 {
         return Err(mem_err("ftruncate", io::Error::last_os_error()));
     }
+    if opts.prealloc {
+        // SAFETY: plain syscall on a descriptor we own; allocates the memfd's pages.
+        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, off) } != 0 {
+            return Err(mem_err("fallocate", io::Error::last_os_error()));
+        }
+    }
     let prot = if opts.read_only {
         libc::PROT_READ
     } else {
         libc::PROT_READ | libc::PROT_WRITE
     };
+    let populate = if opts.prealloc { libc::MAP_POPULATE } else { 0 };
     // SAFETY: a fresh shared mapping of our own memfd, `len` bytes (> 0) from
     // offset 0, at an address of the kernel's choice; it aliases no Rust object.
     let ptr = unsafe {
@@ -421,7 +432,7 @@ fn open_mem(size: u64, opts: &OpenOptions) -> Result<Backend, Error> {
             std::ptr::null_mut(),
             len,
             prot,
-            libc::MAP_SHARED,
+            libc::MAP_SHARED | populate,
             file.as_raw_fd(),
             0,
         )

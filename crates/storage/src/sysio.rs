@@ -489,6 +489,7 @@ mod tests {
                 let opts = OpenOptions {
                     read_only: false,
                     cache,
+                    prealloc: false,
                 };
                 let b = Arc::new(Backend::open(&DiskSpec::File(path.clone()), &opts).unwrap());
                 b.caps.no_punch.store(true, Ordering::Relaxed);

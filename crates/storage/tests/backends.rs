@@ -17,6 +17,7 @@ fn open_spec(spec: &str, read_only: bool) -> Arc<Backend> {
     let opts = OpenOptions {
         read_only,
         cache: CacheMode::Writeback,
+        prealloc: false,
     };
     Arc::new(Backend::open(&spec.parse().unwrap(), &opts).unwrap())
 }
@@ -385,4 +386,25 @@ fn block_device() {
         512
     );
     assert!(read(&mut *e, 512, &[512], 0).unwrap() == [9u8; 512]);
+}
+
+#[test]
+fn prealloc_maps_every_page_of_a_ram_disk_at_open() {
+    let opts = OpenOptions {
+        read_only: false,
+        cache: CacheMode::Writeback,
+        prealloc: true,
+    };
+    let rss = || -> u64 {
+        let s = std::fs::read_to_string("/proc/self/statm").unwrap();
+        s.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 4096
+    };
+    let before = rss();
+    let b = Backend::open(&"mem:64M".parse().unwrap(), &opts).unwrap();
+    let grown = rss().saturating_sub(before);
+    assert!(
+        grown >= 60 << 20,
+        "a preallocated 64 MiB RAM disk is resident: {grown} bytes"
+    );
+    assert_eq!(b.size(), 64 << 20);
 }

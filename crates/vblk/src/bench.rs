@@ -143,6 +143,10 @@ pub struct BenchArgs {
     /// Seed of the workload generators.
     #[arg(long, value_name = "N", default_value_t = 0x5eed)]
     pub seed: u64,
+    /// Do not pin job threads and the embedded device's workers to separate CPUs (they
+    /// are pinned when the machine has a CPU for each).
+    #[arg(long)]
+    pub no_pin: bool,
 }
 
 impl BenchArgs {
@@ -250,6 +254,8 @@ impl TryFrom<&BenchArgs> for Plan {
             spin: Duration::from_micros(a.spin_us),
             queue_size: a.queue_size,
             seed: a.seed,
+            pin: !a.no_pin,
+            job_cpus: Vec::new(),
         };
         let compare = match (&a.compare, a.is_default_run()) {
             (Some(c), _) => {

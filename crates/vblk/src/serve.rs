@@ -47,6 +47,11 @@ pub struct ServeArgs {
     #[arg(long)]
     pub read_only: bool,
 
+    /// RAM disks: allocate and map all of it at start (no first-touch page faults during
+    /// I/O; not enough memory is an error at start, not later).
+    #[arg(long)]
+    pub prealloc: bool,
+
     /// Host cache: `none` opens with O_DIRECT (bounce buffers only for unaligned guest
     /// buffers); `writeback` uses the page cache. Either way FLUSH is an fdatasync.
     #[arg(long, value_name = "MODE", default_value = "writeback", value_parser = parse_cache)]
@@ -80,6 +85,22 @@ pub struct ServeArgs {
     /// sleeps; 0 never spins.
     #[arg(long, value_name = "US", default_value_t = DEFAULT_POLL_US)]
     pub poll_us: u64,
+
+    /// Run worker t on CPU LIST[t % len] (e.g. 2,3 or 4-7) [default: not pinned].
+    #[arg(long, value_name = "LIST")]
+    pub cpus: Option<CpuList>,
+}
+
+/// A CPU list such as `0,2,4-7`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuList(pub Vec<usize>);
+
+impl std::str::FromStr for CpuList {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        device::config::parse_cpu_list(s).map(CpuList)
+    }
 }
 
 fn parse_cache(s: &str) -> Result<CacheMode, String> {
@@ -115,12 +136,14 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             disk,
             read_only: a.read_only,
             cache: a.cache,
+            prealloc: a.prealloc,
             serial: a.serial,
             num_queues: a.num_queues,
             threads: a.threads,
             queue_size: a.queue_size,
             engine: a.engine,
             poll_us: a.poll_us,
+            cpus: a.cpus.map(|c| c.0).unwrap_or_default(),
         };
         config.validate().map_err(|e| e.to_string())?;
         Ok((config, listen))
@@ -137,4 +160,109 @@ pub fn run(args: ServeArgs) -> Result<(), Box<dyn Error>> {
     let stop = AtomicBool::new(false);
     device::serve(&config, &listen, &stop, &mut || {})?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    fn serve(args: &[&str]) -> Result<(DeviceConfig, Listen), String> {
+        let cli =
+            Cli::try_parse_from(["vblk", "serve"].iter().chain(args)).map_err(|e| e.to_string())?;
+        match cli.command {
+            Command::Serve(a) => <(DeviceConfig, Listen)>::try_from(a),
+            _ => Err("not serve".into()),
+        }
+    }
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn serve_flags_reach_the_config() {
+        let (c, l) = serve(&[
+            "--socket-path",
+            "/run/x.sock",
+            "--blk-file",
+            "mem:1G",
+            "--num-queues",
+            "4",
+            "--threads",
+            "2",
+            "--cpus",
+            "0,1",
+            "--engine",
+            "sync",
+            "--cache",
+            "none",
+            "--poll-us",
+            "0",
+            "--read-only",
+            "--serial",
+            "abc",
+            "--queue-size",
+            "128",
+            "--prealloc",
+        ])
+        .unwrap();
+        assert_eq!(l, Listen::Path("/run/x.sock".into()));
+        assert_eq!(c.disk, DiskSpec::Mem(1 << 30));
+        assert_eq!((c.num_queues, c.threads, c.queue_size), (4, 2, 128));
+        assert_eq!(c.cpus, vec![0, 1]);
+        assert_eq!(c.engine, EngineKind::Sync);
+        assert_eq!(c.cache, CacheMode::None);
+        assert_eq!(c.poll_us, 0);
+        assert!(c.read_only && c.prealloc);
+        assert_eq!(c.serial.as_deref(), Some("abc"));
+    }
+
+    #[test]
+    fn bad_serve_flags_are_clear_errors() {
+        let e = serve(&["--blk-file", "null:1G"]).unwrap_err();
+        assert!(
+            e.contains("--socket-path PATH or --fd FD is required"),
+            "{e}"
+        );
+        let e = serve(&["--socket-path", "/x", "--blk-file", "mem:1000"]).unwrap_err();
+        assert!(e.contains("size 1000 is not a multiple of 512"), "{e}");
+        let e = serve(&[
+            "--socket-path",
+            "/x",
+            "--blk-file",
+            "null:1G",
+            "--num-queues",
+            "2",
+            "--threads",
+            "3",
+        ])
+        .unwrap_err();
+        assert!(e.contains("--threads 3"), "{e}");
+        let e = serve(&["--socket-path", "/x", "--fd", "3", "--blk-file", "null:1G"]).unwrap_err();
+        assert!(e.contains("cannot be used with"), "{e}");
+        let e = serve(&[
+            "--socket-path",
+            "/x",
+            "--blk-file",
+            "null:1G",
+            "--cpus",
+            "3-1",
+        ])
+        .unwrap_err();
+        assert!(e.contains("bad CPU list"), "{e}");
+        let e = serve(&[
+            "--socket-path",
+            "/x",
+            "--blk-file",
+            "null:1G",
+            "--engine",
+            "aio",
+        ])
+        .unwrap_err();
+        assert!(e.contains("aio"), "{e}");
+    }
 }

@@ -505,8 +505,8 @@ fn layout_parts_are_aligned_disjoint_and_inside_len() {
         assert!(l.desc + 16 * n <= l.avail, "{l:?}");
         assert!(l.avail + 6 + 2 * n <= l.used, "{l:?}");
         assert!(l.used + 6 + 8 * n <= l.aux, "{l:?}");
-        assert!(l.aux + AUX_LEN * n <= l.status, "{l:?}");
-        assert!(l.status + n <= l.indirect, "{l:?}");
+        assert!(l.aux + AUX_LEN * n <= l.indirect, "{l:?}");
+        assert_eq!(l.aux % 64, 0, "request areas are cache-line aligned: {l:?}");
         assert!(l.indirect + 16 * n * usize::from(mi) <= l.len, "{l:?}");
         assert_eq!(l.len % 4096, 0, "{l:?}");
         assert_eq!((l.size, l.max_indirect), (size, mi));
@@ -529,8 +529,12 @@ fn addresses_and_per_head_areas_lie_in_the_area() {
         let aux = h.ring.aux(head) as u64;
         let status = h.ring.status(head) as u64;
         assert_eq!(aux, b + (h.layout.aux + AUX_LEN * usize::from(head)) as u64);
-        assert_eq!(status, b + (h.layout.status + usize::from(head)) as u64);
-        assert!(aux + AUX_LEN as u64 <= b + h.layout.status as u64);
+        assert_eq!(
+            status,
+            aux + STATUS_AT as u64,
+            "status shares the header's cache line"
+        );
+        assert!(STATUS_AT >= 16 + 32 && STATUS_AT < AUX_LEN);
         assert!(status < b + h.layout.indirect as u64);
     }
 }

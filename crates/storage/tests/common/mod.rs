@@ -67,7 +67,11 @@ pub fn make_file(dir: &Path, name: &str, size: usize, seed: u64) -> PathBuf {
 }
 
 pub fn open(path: &Path, cache: CacheMode, read_only: bool) -> Arc<Backend> {
-    let opts = OpenOptions { read_only, cache };
+    let opts = OpenOptions {
+        read_only,
+        cache,
+        prealloc: false,
+    };
     Arc::new(Backend::open(&DiskSpec::File(path.to_owned()), &opts).unwrap())
 }
 
