@@ -195,6 +195,21 @@ pub fn all_paths() -> Vec<String> {
     PathKind::ALL.iter().map(|p| p.to_string()).collect()
 }
 
+/// CPUs for the job threads and the embedded device's workers, disjoint, when the machine
+/// has enough: jobs from CPU 0 up, device workers from the last CPU down.
+pub fn auto_pin(
+    jobs: usize,
+    device_threads: usize,
+    cpus: usize,
+) -> Option<(Vec<usize>, Vec<usize>)> {
+    (jobs + device_threads <= cpus).then(|| {
+        (
+            (0..jobs).collect(),
+            (0..device_threads).map(|t| cpus - 1 - t).collect(),
+        )
+    })
+}
+
 fn run_one(
     job: &JobSpec,
     target: &TargetSpec,
@@ -202,7 +217,18 @@ fn run_one(
     show: bool,
     label: &str,
 ) -> Result<JobReport, String> {
-    let t = Target::open(target, job.numjobs.max(1) as u16)?;
+    let jobs = job.numjobs.max(1) as usize;
+    let mut target = target.clone();
+    let mut run = run.clone();
+    if let (true, TargetSpec::Embedded(c)) = (run.pin, &mut target) {
+        let threads = c.threads.clamp(1, jobs);
+        if let Some((j, d)) = auto_pin(jobs, threads, device::config::cpu_count()) {
+            run.job_cpus = j;
+            c.cpus = d;
+        }
+    }
+    let (target, run) = (&target, &run);
+    let t = Target::open(target, jobs as u16)?;
     let progress = Progress::default();
     let expected = job.runtime.map(|r| r + job.ramp_time);
     let started = Instant::now();

@@ -534,7 +534,7 @@ fn addresses_and_per_head_areas_lie_in_the_area() {
             aux + STATUS_AT as u64,
             "status shares the header's cache line"
         );
-        assert!(STATUS_AT >= 16 + 32 && STATUS_AT < AUX_LEN);
+        const { assert!(STATUS_AT >= 16 + 32 && STATUS_AT < AUX_LEN) };
         assert!(status < b + h.layout.indirect as u64);
     }
 }
