@@ -81,6 +81,13 @@ pub fn apply_variant(
     let bad = |what: &str| format!("--compare {key}={value}: {what}");
     match (key_n.as_str(), target) {
         ("path", _) => run.path = value.parse().map_err(|e: String| bad(&e))?,
+        ("pin", _) => {
+            run.pin = match value {
+                "1" | "true" | "yes" | "on" => true,
+                "0" | "false" | "no" | "off" => false,
+                _ => return Err(bad("expected 0 or 1")),
+            }
+        }
         ("queue_size", _) => run.queue_size = value.parse().map_err(|_| bad("not a number"))?,
         ("spin_us", _) => {
             run.spin = Duration::from_micros(value.parse().map_err(|_| bad("not a number"))?)
