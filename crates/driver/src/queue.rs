@@ -131,6 +131,20 @@ impl Default for QueueOptions {
     }
 }
 
+/// Refuse a request type the device does not offer.
+fn require(offered: bool, what: &str) -> Result<(), SubmitError> {
+    if offered {
+        return Ok(());
+    }
+    Err(SubmitError {
+        error: Error::new(
+            ErrorKind::Unsupported,
+            format!("the device does not offer {what}"),
+        ),
+        bufs: Bufs::None,
+    })
+}
+
 const NO_PARENT: u32 = u32::MAX;
 /// Stands in `segs[0]` until the request's head (and so its header address) is known.
 const HEADER_PLACEHOLDER: Seg = Seg {
@@ -286,15 +300,7 @@ impl Queue {
 
     /// Discard `len` bytes at `offset` (a hint: the range may read back as zeroes or not).
     pub fn discard(&mut self, offset: u64, len: u64, token: u64) -> Result<(), SubmitError> {
-        if !self.limits.discard {
-            return Err(SubmitError {
-                error: Error::new(
-                    ErrorKind::Unsupported,
-                    "the device does not offer DISCARD".into(),
-                ),
-                bufs: Bufs::None,
-            });
-        }
+        require(self.limits.discard, "DISCARD")?;
         let max = u64::from(self.limits.max_discard_sectors) * 512;
         self.submit_range(req_type::DISCARD, offset, len, 0, max, token)
     }
@@ -307,15 +313,7 @@ impl Queue {
         unmap: bool,
         token: u64,
     ) -> Result<(), SubmitError> {
-        if !self.limits.write_zeroes {
-            return Err(SubmitError {
-                error: Error::new(
-                    ErrorKind::Unsupported,
-                    "the device does not offer WRITE_ZEROES".into(),
-                ),
-                bufs: Bufs::None,
-            });
-        }
+        require(self.limits.write_zeroes, "WRITE_ZEROES")?;
         let flags = if unmap && self.limits.write_zeroes_may_unmap {
             SEGMENT_FLAG_UNMAP
         } else {

@@ -9,18 +9,12 @@ use std::process::Command;
 
 use serde_json::Value;
 use support::daemon::{Backend, Daemon, Export};
+use support::util::temp_dir;
 
 fn vblk() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_vblk"));
     c.args(["--log-level", "warn"]);
     c
-}
-
-fn workdir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("bench")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
-        .unwrap()
 }
 
 /// Run `vblk bench ARGS --output-format=json` and parse its output.
@@ -120,15 +114,15 @@ fn embedded_device_job_is_verified_and_adds_up() {
         .starts_with("embedded vblk device"));
 }
 
-#[test]
-fn vblk_serve_over_a_socket_with_its_pid() {
-    let dir = workdir();
+/// A short verified job against `backend` serving a file, over its socket, with its pid.
+fn socket_job(backend: Backend, name: &str) {
+    let dir = temp_dir("bench");
     let img = dir.path().join("disk.img");
     std::fs::write(&img, vec![0u8; 32 << 20]).unwrap();
-    let sock = dir.path().join("s.sock");
+    let sock = dir.path().join(format!("{name}.sock"));
     let d = Daemon::start(
-        Backend::Vblk,
-        "vblk",
+        backend,
+        name,
         &Export::new(&img, 1),
         &sock,
         &dir.path().join("log"),
@@ -138,31 +132,21 @@ fn vblk_serve_over_a_socket_with_its_pid() {
     args.extend(["--socket", sock.to_str().unwrap(), "--device-pid", &pid]);
     let v = bench_json(&args);
     check_job(&v, 4096, true);
+}
+
+#[test]
+fn vblk_serve_over_a_socket_with_its_pid() {
+    socket_job(Backend::Vblk, "vblk");
 }
 
 #[test]
 fn qemu_storage_daemon_over_a_socket() {
-    let dir = workdir();
-    let img = dir.path().join("disk.img");
-    std::fs::write(&img, vec![0u8; 32 << 20]).unwrap();
-    let sock = dir.path().join("q.sock");
-    let d = Daemon::start(
-        Backend::QemuStorageDaemon,
-        "qsd",
-        &Export::new(&img, 1),
-        &sock,
-        &dir.path().join("log"),
-    );
-    let pid = d.pid().to_string();
-    let mut args = SHORT.to_vec();
-    args.extend(["--socket", sock.to_str().unwrap(), "--device-pid", &pid]);
-    let v = bench_json(&args);
-    check_job(&v, 4096, true);
+    socket_job(Backend::QemuStorageDaemon, "qsd");
 }
 
 #[test]
 fn baseline_on_an_o_direct_file() {
-    let dir = workdir();
+    let dir = temp_dir("bench");
     let img: PathBuf = dir.path().join("disk.img");
     std::fs::write(&img, vec![0u8; 32 << 20]).unwrap();
     let mut args = SHORT.to_vec();
@@ -175,7 +159,7 @@ fn baseline_on_an_o_direct_file() {
 
 #[test]
 fn compare_prints_a_table_with_ratios_and_plots_it() {
-    let dir = workdir();
+    let dir = temp_dir("bench");
     let svg = dir.path().join("paths.svg");
     let out = vblk()
         .args([
@@ -219,7 +203,7 @@ fn write_job(dir: &Path, name: &str, text: &str) -> PathBuf {
 
 #[test]
 fn the_iometer_job_file_runs_unchanged_and_reports_what_it_ignores() {
-    let dir = workdir();
+    let dir = temp_dir("bench");
     let file = write_job(
         dir.path(),
         "iometer.fio",
@@ -249,7 +233,7 @@ fn the_iometer_job_file_runs_unchanged_and_reports_what_it_ignores() {
 
 #[test]
 fn bad_job_file_names_the_line() {
-    let dir = workdir();
+    let dir = temp_dir("bench");
     let file = write_job(
         dir.path(),
         "bad.fio",

@@ -7,12 +7,17 @@
 //!
 //! A watchdog ([`within`]) turns any hang into a test failure.
 
+mod support;
+
+use std::sync::mpsc;
+
+use support::util::{temp_dir, within};
+
 use std::collections::HashMap;
 use std::fs;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use driver::{Disk, DiskOptions, ErrorKind, Queue};
@@ -136,34 +141,6 @@ fn freeze(pid: i32) {
     );
 }
 
-/// Run `f` on its own thread; fail the test if it does not finish within `limit`. The
-/// daemon stays owned by the caller, so it is killed even if `f` is stuck.
-fn within<T: Send + 'static>(
-    limit: Duration,
-    what: &str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> T {
-    let (tx, rx) = mpsc::channel();
-    let h = std::thread::spawn(move || {
-        let r = f();
-        let _ = tx.send(());
-        r
-    });
-    match rx.recv_timeout(limit) {
-        Ok(()) | Err(RecvTimeoutError::Disconnected) => {
-            h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
-        }
-        Err(RecvTimeoutError::Timeout) => panic!("{what} did not finish within {limit:?}: hung"),
-    }
-}
-
-fn temp_dir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("killed")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
-        .unwrap()
-}
-
 fn attach(sock: &Path, pool_size: usize) -> Disk {
     Disk::attach(
         sock,
@@ -226,7 +203,7 @@ fn sector_owner(s: &[u8], lba: u64) -> Result<Option<u32>, String> {
 /// is killed: all 65 complete with Disconnected, promptly, and the queues refuse new work.
 #[test]
 fn outstanding_ios_fail_with_disconnected_when_the_device_is_killed() {
-    let dir = temp_dir();
+    let dir = temp_dir("killed");
     let sock = dir.path().join("vblk.sock");
     let serve = Serve::start(&sock, "mem:256M", 2, dir.path().join("serve.log"));
     let pid = serve.pid();
@@ -485,7 +462,7 @@ fn check_slots(data: &[u8], base: u64, slot_size: usize, log: &Log) -> (usize, u
 /// then serves a new attach, and every acknowledged write is in the file.
 #[test]
 fn killed_under_load_every_io_completes_once_and_acked_writes_survive_a_restart() {
-    let dir = temp_dir();
+    let dir = temp_dir("killed");
     let sock = dir.path().join("vblk.sock");
     let img = dir.path().join("disk.img");
     let capacity = 192 * MIB;
@@ -573,7 +550,7 @@ fn killed_under_load_every_io_completes_once_and_acked_writes_survive_a_restart(
 /// waits or only polls.
 #[test]
 fn a_device_killed_while_idle_is_noticed_by_the_next_io() {
-    let dir = temp_dir();
+    let dir = temp_dir("killed");
     let sock = dir.path().join("vblk.sock");
     let mut serve = Serve::start(&sock, "mem:64M", 2, dir.path().join("serve.log"));
     let pid = serve.pid();

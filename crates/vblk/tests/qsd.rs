@@ -7,6 +7,10 @@
 //! back, or found in the file, is checked on its own and a misplaced one says where it
 //! was meant to go.
 
+mod support;
+
+use support::util::{temp_dir, within};
+
 use std::collections::HashMap;
 use std::fs;
 use std::os::fd::AsRawFd;
@@ -14,7 +18,6 @@ use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use driver::{Buffer, Completion, Disk, DiskOptions, ErrorKind, Queue};
@@ -190,36 +193,6 @@ fn signal(child: &Child, sig: i32) {
     // reaped (Daemon reaps only in stop/Drop), so it cannot name another process.
     let r = unsafe { libc::kill(child.id() as i32, sig) };
     assert_eq!(r, 0, "kill: {}", std::io::Error::last_os_error());
-}
-
-/// Run `f` on its own thread and fail the test if it does not finish within `limit`, so
-/// that a hang in the driver is a failure, not a stuck test run. The daemons stay owned
-/// by the caller, so they are killed even when `f` is stuck.
-fn within<T: Send + 'static>(
-    limit: Duration,
-    what: &str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> T {
-    let (tx, rx) = mpsc::channel();
-    let h = std::thread::spawn(move || {
-        let r = f();
-        let _ = tx.send(());
-        r
-    });
-    match rx.recv_timeout(limit) {
-        Ok(()) | Err(RecvTimeoutError::Disconnected) => {
-            h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
-        }
-        Err(RecvTimeoutError::Timeout) => panic!("{what} did not finish within {limit:?}: hung"),
-    }
-}
-
-fn temp_dir() -> tempfile::TempDir {
-    // Not /tmp, which may be tmpfs: the image should live on a real file system.
-    tempfile::Builder::new()
-        .prefix("qsd")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
-        .unwrap()
 }
 
 /// A zero-filled (sparse) raw image of `len` bytes.
@@ -598,7 +571,7 @@ fn assert_file_is(image: &Path, model: &[u8]) {
 
 #[test]
 fn what_the_driver_writes_on_two_queues_is_in_the_file() {
-    let dir = temp_dir();
+    let dir = temp_dir("qsd");
     let capacity = 128 * MIB;
     let img = image(dir.path(), "disk.img", capacity);
     let qsd = Daemon::qsd(dir.path(), &img, "");
@@ -623,7 +596,7 @@ fn data_and_hole(file: &fs::File, from: u64) -> (i64, i64) {
 
 #[test]
 fn discard_and_write_zeroes_reach_the_file() {
-    let dir = temp_dir();
+    let dir = temp_dir("qsd");
     let capacity = 64 * MIB;
     let img = image(dir.path(), "disk.img", capacity);
     // discard=unmap: qsd passes discards on to the file (it punches holes), so the test can
@@ -816,7 +789,7 @@ fn has(info: &driver::DiskInfo, names: &[&str]) {
 
 #[test]
 fn vblk_info_shows_what_qsd_and_vblk_serve_offer() {
-    let dir = temp_dir();
+    let dir = temp_dir("qsd");
     let capacity = 48 * MIB;
     let qsd_img = image(dir.path(), "qsd.img", capacity);
     let vblk_img = image(dir.path(), "vblk.img", capacity);

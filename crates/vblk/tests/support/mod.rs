@@ -6,3 +6,4 @@
 
 pub mod daemon;
 pub mod guest;
+pub mod util;

@@ -1,0 +1,35 @@
+//! Small helpers the end-to-end tests share.
+
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::Duration;
+
+/// Run `f` on its own thread and fail the test if it does not finish within `limit`, so
+/// that a hang is a failure, not a stuck test run. Children (daemons) stay owned by the
+/// caller, so they are killed even when `f` is stuck.
+pub fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = mpsc::channel();
+    let h = std::thread::spawn(move || {
+        let r = f();
+        let _ = tx.send(());
+        r
+    });
+    match rx.recv_timeout(limit) {
+        Ok(()) | Err(RecvTimeoutError::Disconnected) => {
+            h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
+        }
+        Err(RecvTimeoutError::Timeout) => panic!("{what} did not finish within {limit:?}: hung"),
+    }
+}
+
+/// A temporary directory under the target dir (not /tmp, which may be tmpfs: images
+/// should live on a real file system, and O_DIRECT must work there).
+pub fn temp_dir(prefix: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap()
+}
