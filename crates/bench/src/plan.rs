@@ -276,6 +276,27 @@ fn run_one(
     })
 }
 
+/// Several jobs' reports as one fio JSON document: every clone under `jobs`, vblk's
+/// per-job aggregates under `vblk.jobs` (one job's report is returned as it is).
+fn merge_fio_json(mut reports: Vec<serde_json::Value>) -> serde_json::Value {
+    if reports.len() == 1 {
+        return reports.remove(0);
+    }
+    let mut it = reports.into_iter();
+    let Some(mut first) = it.next() else {
+        return serde_json::Value::Null;
+    };
+    let mut vblk = vec![first["vblk"].take()];
+    for mut r in it {
+        if let (Some(all), Some(more)) = (first["jobs"].as_array_mut(), r["jobs"].as_array_mut()) {
+            all.append(more);
+        }
+        vblk.push(r["vblk"].take());
+    }
+    first["vblk"] = serde_json::json!({ "jobs": vblk });
+    first
+}
+
 /// Run the plan and return what to print.
 pub fn execute(plan: &Plan) -> Result<String, String> {
     let show = plan.progress && std::io::stdout().is_terminal() && plan.format == Format::Normal;
@@ -345,8 +366,8 @@ pub fn execute(plan: &Plan) -> Result<String, String> {
         }
     }
     if plan.format == Format::Json {
-        let v = if plan.compare.is_none() && json_jobs.len() == 1 {
-            json_jobs.remove(0)
+        let v = if plan.compare.is_none() {
+            merge_fio_json(json_jobs)
         } else {
             serde_json::Value::Array(json_jobs)
         };
@@ -359,6 +380,38 @@ pub fn execute(plan: &Plan) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_preset_job_file_parses() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/jobs");
+        let mut n = 0;
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "fio") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                assert!(
+                    text.starts_with("; Experiment:"),
+                    "{}: names its experiment",
+                    p.display()
+                );
+                let jobs = crate::job::parse_job_file(&text)
+                    .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                assert!(!jobs.is_empty(), "{}", p.display());
+                n += 1;
+            }
+        }
+        assert!(n >= 4, "{n} presets");
+    }
+
+    #[test]
+    fn several_jobs_make_one_fio_document() {
+        let a = serde_json::json!({"jobs": [{"jobname": "a"}], "vblk": {"job": "a"}});
+        let b =
+            serde_json::json!({"jobs": [{"jobname": "b"}, {"jobname": "b"}], "vblk": {"job": "b"}});
+        let m = merge_fio_json(vec![a, b]);
+        assert_eq!(m["jobs"].as_array().unwrap().len(), 3);
+        assert_eq!(m["vblk"]["jobs"][1]["job"], "b");
+    }
 
     #[test]
     fn default_job_is_4k_randread_qd32_time_based() {
