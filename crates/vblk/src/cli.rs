@@ -41,12 +41,10 @@ pub enum LogLevel {
 /// What to do.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Serve a disk to a VM as a vhost-user-blk device.
+    // The subcommands' help comes from their argument structs' doc comments.
     Serve(ServeArgs),
     /// Attach to a vhost-user-blk device and print what it offers (like nbdinfo).
     Info(InfoArgs),
-    /// Benchmark virtio-blk I/O paths, fio-style (no arguments: an embedded RAM disk,
-    /// every I/O path, a comparison table).
     Bench(Box<BenchArgs>),
 }
 
