@@ -35,10 +35,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use support::assets::{find_program, require_programs};
 use support::daemon::{Backend, Daemon, Export};
-use support::guest::{
-    find_program, first_difference, pattern, read_at, require_programs, write_at, Guest, TempDir,
-};
+use support::guest::{first_difference, pattern, read_at, write_at, Guest, TempDir};
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
@@ -450,7 +449,7 @@ fn guest_uses_vblk_serve_disks_across_two_boots() {
         ("blkdiscard", "util-linux"),
     ]);
     let started = Instant::now();
-    let assets = support::guest::assets();
+    let assets = support::assets::assets();
     eprintln!(
         "guest assets ({}) ready in {:.1?}: {}",
         assets.kernel_version,
@@ -461,7 +460,7 @@ fn guest_uses_vblk_serve_disks_across_two_boots() {
     // Sockets (short paths) and logs in the system temp dir; images under the
     // target dir, on a real file system (the read-only daemon uses O_DIRECT).
     let dir = TempDir::new("guest");
-    let images = TempDir::new_in(&support::guest::target_dir().join("tmp"), "images");
+    let images = TempDir::new_in(&support::assets::target_dir().join("tmp"), "images");
     let data = Data::new();
 
     // The writable image: host data at HOST_OFF, non-zero data where the guest

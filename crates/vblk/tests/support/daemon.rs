@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use super::guest::{find_program, require_programs};
+use super::assets::{find_program, require_programs};
 
 /// Which program serves the disks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

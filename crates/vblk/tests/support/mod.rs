@@ -4,6 +4,7 @@
 //! subset of it, hence the `dead_code` allowance.
 #![allow(dead_code)]
 
+pub mod assets;
 pub mod daemon;
 pub mod guest;
 pub mod util;
