@@ -35,6 +35,11 @@ echo; echo "## polling window of the device (RAM disk)"
 run bench $J $R --iodepth=1 --compare poll_us=0,10,50,200 --repeat "$REPEAT"
 run bench $J $R --iodepth=32 --compare poll_us=0,10,50,200 --repeat "$REPEAT"
 
+echo; echo "## submission batch of the io_uring engine (O_DIRECT file, then page cache)"
+run bench $J $R --iodepth=32 --disk "$IMG" --cache none --compare submit_batch=0,1,4,8 --repeat "$REPEAT"
+cat "$IMG" > /dev/null
+run bench $J $R --iodepth=32 --disk "$IMG" --cache writeback --compare submit_batch=0,1,4 --repeat "$REPEAT"
+
 echo; echo "## engines on an O_DIRECT file"
 run bench $J $R --iodepth=32 --disk "$IMG" --cache none --compare engine=io_uring,sync --repeat "$REPEAT"
 

@@ -108,6 +108,9 @@ pub fn apply_variant(
         ("threads", TargetSpec::Embedded(c)) => {
             c.threads = value.parse().map_err(|_| bad("not a number"))?
         }
+        ("submit_batch", TargetSpec::Embedded(c)) => {
+            c.submit_batch = Some(value.parse().map_err(|_| bad("not a number"))?)
+        }
         ("disk", TargetSpec::Embedded(c)) => {
             c.disk = value
                 .parse()
@@ -143,7 +146,7 @@ pub fn apply_variant(
                 device_pid: pid,
             };
         }
-        ("engine" | "poll_us" | "threads" | "disk" | "cache", _) => {
+        ("engine" | "poll_us" | "threads" | "submit_batch" | "disk" | "cache", _) => {
             return Err(bad(
                 "this option applies to the embedded device or the baseline only",
             ))

@@ -86,6 +86,7 @@ impl BlkDevice {
                 config.queue_size,
                 config.poll_us,
                 (!config.cpus.is_empty()).then(|| config.cpus[t % config.cpus.len()]),
+                config.effective_submit_batch(),
             )));
         }
         let mut features = feature::bit(feature::VERSION_1)

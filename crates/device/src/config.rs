@@ -51,6 +51,9 @@ pub struct DeviceConfig {
     /// CPUs to run workers on: worker t on `cpus[t % len]` (empty: wherever the
     /// scheduler puts them).
     pub cpus: Vec<usize>,
+    /// Most requests handed to the engine per submit call (0: one submit per pass; None:
+    /// [`auto_submit_batch`] for the cache mode).
+    pub submit_batch: Option<u32>,
 }
 
 impl Default for DeviceConfig {
@@ -67,6 +70,7 @@ impl Default for DeviceConfig {
             engine: EngineKind::default(),
             poll_us: DEFAULT_POLL_US,
             cpus: Vec::new(),
+            submit_batch: None,
         }
     }
 }
@@ -147,6 +151,26 @@ impl DeviceConfig {
         (0..usize::from(self.num_queues))
             .filter(|i| i % self.threads == t)
             .fold(0, |m, i| m | (1 << i))
+    }
+}
+
+/// The submit batch for a cache mode, by measurement (BENCHMARKS.md, "Submission batch").
+/// With O_DIRECT an io_uring submission dispatches each read to the disk inside
+/// `io_uring_enter`, so a large batch makes its last reads wait for the whole batch: 4 per
+/// call. Through the page cache reads complete inside the call, and extra calls only cost:
+/// one submit per pass.
+pub fn auto_submit_batch(cache: CacheMode) -> u32 {
+    match cache {
+        CacheMode::None => 4,
+        CacheMode::Writeback => 0,
+    }
+}
+
+impl DeviceConfig {
+    /// The submit batch in force (0: one submit per pass).
+    pub fn effective_submit_batch(&self) -> u32 {
+        self.submit_batch
+            .unwrap_or_else(|| auto_submit_batch(self.cache))
     }
 }
 

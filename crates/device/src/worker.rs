@@ -133,6 +133,10 @@ pub(crate) struct Worker {
     retired: Vec<Arc<Mem>>,
     /// The CPU this worker's thread should run on, until it has been pinned there.
     pin: Option<usize>,
+    /// Submit to the engine after this many pushes (usize::MAX: once per pass).
+    submit_every: usize,
+    /// Pushes since the last submit.
+    unsubmitted: usize,
 }
 
 impl Worker {
@@ -144,6 +148,7 @@ impl Worker {
         queue_size: u16,
         poll_us: u64,
         cpu: Option<usize>,
+        submit_batch: u32,
     ) -> Worker {
         let qsize = usize::from(queue_size);
         // A request can split at memory-region boundaries: room for twice seg_max buffers.
@@ -177,6 +182,27 @@ impl Worker {
             mem: None,
             retired: Vec::new(),
             pin: cpu,
+            submit_every: if submit_batch == 0 {
+                usize::MAX
+            } else {
+                submit_batch as usize
+            },
+            unsubmitted: 0,
+        }
+    }
+
+    /// Hand everything pushed to the kernel.
+    fn submit(&mut self) {
+        if !self.pushed {
+            return;
+        }
+        match self.engine.submit() {
+            Ok(()) => {
+                self.pushed = false;
+                self.unsubmitted = 0;
+            }
+            // Submissions stay queued in the engine; the next pass retries.
+            Err(e) => warn!("engine {}: submit failed: {e}", self.engine.name()),
         }
     }
 
@@ -203,14 +229,7 @@ impl Worker {
             for (qi, vring) in vrings.iter().enumerate().take(self.queues.len()) {
                 progress |= self.drain(qi, vring, &mem);
             }
-            if self.pushed {
-                self.pushed = false;
-                if let Err(e) = self.engine.submit() {
-                    // Submissions stay queued in the engine; the next pass retries.
-                    warn!("engine {}: submit failed: {e}", self.engine.name());
-                    self.pushed = true;
-                }
-            }
+            self.submit();
             progress |= self.reap();
             self.signal(vrings, &mem);
             if progress {
@@ -362,6 +381,15 @@ impl Worker {
                                 self.in_flight += 1;
                                 qs.in_flight.fetch_add(1, Ordering::AcqRel);
                                 self.pushed = true;
+                                self.unsubmitted += 1;
+                                if self.unsubmitted >= self.submit_every {
+                                    if let Err(e) = self.engine.submit() {
+                                        warn!("engine {}: submit failed: {e}", self.engine.name());
+                                    } else {
+                                        self.pushed = false;
+                                        self.unsubmitted = 0;
+                                    }
+                                }
                                 None
                             }
                             Err(_) => {

@@ -89,6 +89,12 @@ pub struct ServeArgs {
     /// Run worker t on CPU LIST[t % len] (e.g. 2,3 or 4-7) [default: not pinned].
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<CpuList>,
+
+    /// Most requests handed to the engine per submit call; 0 submits once per pass
+    /// [default: 4 with --cache none (O_DIRECT reads are dispatched to the disk inside the
+    /// submit call, so big batches delay their tail), 0 with the page cache].
+    #[arg(long, value_name = "N")]
+    pub submit_batch: Option<u32>,
 }
 
 /// A CPU list such as `0,2,4-7`.
@@ -144,6 +150,7 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             engine: a.engine,
             poll_us: a.poll_us,
             cpus: a.cpus.map(|c| c.0).unwrap_or_default(),
+            submit_batch: a.submit_batch,
         };
         config.validate().map_err(|e| e.to_string())?;
         Ok((config, listen))
@@ -208,6 +215,8 @@ mod tests {
             "--queue-size",
             "128",
             "--prealloc",
+            "--submit-batch",
+            "2",
         ])
         .unwrap();
         assert_eq!(l, Listen::Path("/run/x.sock".into()));
@@ -219,6 +228,27 @@ mod tests {
         assert_eq!(c.poll_us, 0);
         assert!(c.read_only && c.prealloc);
         assert_eq!(c.serial.as_deref(), Some("abc"));
+        assert_eq!(c.effective_submit_batch(), 2);
+        let (auto, _) = serve(&[
+            "--socket-path",
+            "/x",
+            "--blk-file",
+            "null:1G",
+            "--cache",
+            "none",
+        ])
+        .unwrap();
+        assert_eq!(
+            auto.effective_submit_batch(),
+            4,
+            "O_DIRECT: batches of 4 by default"
+        );
+        let (auto, _) = serve(&["--socket-path", "/x", "--blk-file", "null:1G"]).unwrap();
+        assert_eq!(
+            auto.effective_submit_batch(),
+            0,
+            "page cache: one submit per pass"
+        );
     }
 
     #[test]
