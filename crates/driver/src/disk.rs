@@ -4,7 +4,8 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path as FsPath;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
 
 use log::{debug, info};
 use proto::config::{BlkConfig, CONFIG_LEN};
@@ -20,6 +21,38 @@ use crate::error::{Error, ErrorKind};
 use crate::mem::{Buffer, Pool, Region};
 use crate::queue::{Queue, QueueOptions};
 use crate::ring::{Layout, SplitRing};
+
+/// Shuts a socket down if it is not stopped in time.
+struct Watchdog {
+    stop: mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<bool>,
+}
+
+impl Watchdog {
+    fn start(stream: &UnixStream, limit: Duration) -> Result<Watchdog, Error> {
+        let sock = stream
+            .try_clone()
+            .map_err(|e| Error::os(ErrorKind::Connect, "cannot watch the socket", e))?;
+        let (stop, rx) = mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("vblk-attach".into())
+            .spawn(move || match rx.recv_timeout(limit) {
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    let _ = sock.shutdown(std::net::Shutdown::Both);
+                    true
+                }
+                _ => false,
+            })
+            .map_err(|e| Error::os(ErrorKind::Connect, "cannot start the attach watchdog", e))?;
+        Ok(Watchdog { stop, thread })
+    }
+
+    /// Stop watching; true if the deadline had passed and the socket was shut down.
+    fn finish(self) -> bool {
+        let _ = self.stop.send(());
+        self.thread.join().unwrap_or(true)
+    }
+}
 
 /// What the driver learned about the device when it attached.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -94,6 +127,9 @@ pub struct DiskOptions {
     pub protocol_features: VhostUserProtocolFeatures,
     /// Queue tuning: path, batch size, spin bound.
     pub queue: QueueOptions,
+    /// How long the handshake may take before attaching fails (a device that never
+    /// answers must not hang the caller).
+    pub attach_timeout: Duration,
 }
 
 impl Default for DiskOptions {
@@ -106,6 +142,7 @@ impl Default for DiskOptions {
             event_idx: true,
             protocol_features: supported_protocol_features(),
             queue: QueueOptions::default(),
+            attach_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -282,6 +319,24 @@ impl Disk {
         }
         let stream = UnixStream::connect(socket)
             .map_err(|e| Error::os(ErrorKind::Connect, &format!("cannot connect to {name}"), e))?;
+        // The vhost crate waits for replies without a deadline; a watchdog shuts the
+        // socket down if the handshake outlives `attach_timeout`, which turns a silent
+        // device into an error instead of a hang.
+        let watchdog = Watchdog::start(&stream, opts.attach_timeout)?;
+        let attached = Self::handshake(stream, name.clone(), opts);
+        if watchdog.finish() {
+            return Err(Error::new(
+                ErrorKind::Connect,
+                format!(
+                    "{name}: the device did not complete the handshake within {:?}",
+                    opts.attach_timeout
+                ),
+            ));
+        }
+        attached
+    }
+
+    fn handshake(stream: UnixStream, name: String, opts: &DiskOptions) -> Result<Disk, Error> {
         let sock_fd = stream.as_raw_fd();
         let mut fe = Frontend::from_stream(stream, 64);
         fe.set_owner().map_err(|e| connect_err("SET_OWNER", e))?;

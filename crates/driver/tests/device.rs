@@ -339,3 +339,47 @@ fn the_daemon_serves_one_frontend_after_another() {
         q.write_at(0, &[i; 512]).unwrap();
     }
 }
+
+#[test]
+fn a_device_that_never_answers_fails_the_attach_instead_of_hanging() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("silent.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    // Accept, then say nothing for longer than the attach may take.
+    std::thread::spawn(move || {
+        let (conn, _) = listener.accept().unwrap();
+        std::thread::sleep(Duration::from_secs(5));
+        drop(conn);
+    });
+    let t0 = std::time::Instant::now();
+    let opts = DiskOptions {
+        attach_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let e = Disk::attach(&sock, &opts).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Connect);
+    assert!(
+        e.to_string()
+            .contains("did not complete the handshake within 300ms"),
+        "{e}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn a_device_that_hangs_up_at_once_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("rude.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    std::thread::spawn(move || drop(listener.accept()));
+    let e = Disk::attach(&sock, &DiskOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Connect);
+    assert!(
+        e.to_string().starts_with("SET_OWNER") || e.to_string().starts_with("GET_FEATURES"),
+        "{e}"
+    );
+}
