@@ -153,6 +153,8 @@ const HEADER_PLACEHOLDER: Seg = Seg {
     writable: false,
 };
 const INTERNAL_TOKEN: u64 = u64::MAX;
+/// Looks at the used ring between two reads of the clock while spinning.
+const SPIN_CHECKS: u32 = 64;
 /// Empty polls between two checks that the device is still connected.
 const LIVENESS_EVERY: u32 = 4096;
 
@@ -751,12 +753,22 @@ impl Queue {
         if self.dead {
             return Ok(());
         }
-        let spin_until = Instant::now() + self.spin.min(timeout.unwrap_or(self.spin));
-        while Instant::now() < spin_until {
-            if self.ring.has_used() {
-                return Ok(());
+        let spin = self.spin.min(timeout.unwrap_or(self.spin));
+        if !spin.is_zero() {
+            // The clock is read once per SPIN_CHECKS looks at the ring: reading it costs
+            // more than a look, and the spin bound need not be exact.
+            let spin_until = Instant::now() + spin;
+            loop {
+                for _ in 0..SPIN_CHECKS {
+                    if self.ring.has_used() {
+                        return Ok(());
+                    }
+                    std::hint::spin_loop();
+                }
+                if Instant::now() >= spin_until {
+                    break;
+                }
             }
-            std::hint::spin_loop();
         }
         if self.ring.enable_interrupts() {
             self.ring.disable_interrupts();

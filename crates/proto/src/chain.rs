@@ -5,7 +5,9 @@
 //! chain has no trustworthy status byte), so vblk walks chains itself and names every way a
 //! chain can be wrong.
 
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
+use vm_memory::{
+    Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress,
+};
 
 use virtio_queue::desc::split::Descriptor;
 
@@ -97,6 +99,57 @@ pub enum ChainError {
     TooLarge,
 }
 
+/// Host address of a descriptor table of `entries` entries, when it lies inside one
+/// memory region (then descriptors are read with one load each instead of through
+/// vm-memory's slice iterator); None otherwise, and the slow path checks every read.
+fn host_table<M: GuestMemoryBackend>(
+    mem: &M,
+    table: GuestAddress,
+    entries: u16,
+) -> Option<*const u8> {
+    let len = DESC_SIZE * u64::from(entries);
+    let region = mem.find_region(table)?;
+    let off = table.0 - region.start_addr().raw_value();
+    if off.checked_add(len)? > region.len() {
+        return None;
+    }
+    region
+        .get_host_address(MemoryRegionAddress(off))
+        .ok()
+        .map(|p| p as *const u8)
+}
+
+/// Descriptor `index` of a table at guest address `table_addr + 16 * index` (`addr`).
+fn read_desc<M: GuestMemoryBackend>(
+    mem: &M,
+    host: Option<*const u8>,
+    index: u16,
+    addr: GuestAddress,
+) -> Result<Descriptor, ChainError> {
+    match host {
+        Some(p) => {
+            // SAFETY: host_table checked that the whole table (index < entries) lies in one
+            // mapped region; [u8; 16] has alignment 1, and a volatile read of guest memory
+            // the driver may be writing yields some bytes, never undefined behaviour here.
+            let raw: [u8; 16] = unsafe {
+                std::ptr::read_volatile(p.add(DESC_SIZE as usize * usize::from(index)).cast())
+            };
+            let le64 = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+            let le32 = |b: &[u8]| u32::from_le_bytes(b.try_into().unwrap_or([0; 4]));
+            let le16 = |b: &[u8]| u16::from_le_bytes(b.try_into().unwrap_or([0; 2]));
+            Ok(Descriptor::new(
+                le64(&raw[0..8]),
+                le32(&raw[8..12]),
+                le16(&raw[12..14]),
+                le16(&raw[14..16]),
+            ))
+        }
+        None => mem
+            .read_obj(addr)
+            .map_err(|_| ChainError::Unreadable { addr: addr.0 }),
+    }
+}
+
 /// Walk the chain that starts at `head`, appending its buffers to `out` (cleared first).
 /// `out`'s capacity bounds the walk: it never grows.
 pub fn walk<M: GuestMemoryBackend>(
@@ -115,6 +168,7 @@ pub fn walk<M: GuestMemoryBackend>(
     let mut total: u32 = 0;
     let mut table = ring.desc_table;
     let mut table_size = ring.size;
+    let mut host = host_table(mem, table, table_size);
     let mut in_indirect = false;
     let mut index = head;
     let mut ttl = ring.size;
@@ -126,9 +180,7 @@ pub fn walk<M: GuestMemoryBackend>(
         let addr = table
             .checked_add(u64::from(index) * DESC_SIZE)
             .ok_or(ChainError::Unreadable { addr: u64::MAX })?;
-        let desc: Descriptor = mem
-            .read_obj(addr)
-            .map_err(|_| ChainError::Unreadable { addr: addr.0 })?;
+        let desc = read_desc(mem, host, index, addr)?;
         let flags = desc.flags();
         if flags & DESC_F_INDIRECT != 0 {
             if in_indirect {
@@ -147,6 +199,7 @@ pub fn walk<M: GuestMemoryBackend>(
             }
             table = desc.addr();
             table_size = (len / DESC_SIZE as u32) as u16;
+            host = host_table(mem, table, table_size);
             in_indirect = true;
             index = 0;
             ttl = table_size;

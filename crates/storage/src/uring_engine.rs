@@ -434,7 +434,12 @@ impl Engine for UringEngine {
 
     fn reap(&mut self, f: &mut dyn FnMut(Completion)) -> usize {
         let mut n = self.ready.drain(f);
-        self.drain_eventfd();
+        // Drain the eventfd only when there is something to reap: a poller calling reap
+        // in a loop would otherwise make a syscall per call. Draining before reading the
+        // CQ means a completion posted afterwards signals the eventfd again.
+        if !self.ring.completion().is_empty() {
+            self.drain_eventfd();
+        }
         loop {
             let Some(cqe) = self.ring.completion().next() else {
                 break;
