@@ -29,7 +29,7 @@ run bench $J $R --iodepth=32 --disk "$IMG" --cache none --compare target=embedde
 run bench $J $R --iodepth=1 --disk "$IMG" --cache none --compare target=embedded,baseline --repeat "$REPEAT"
 
 echo; echo "## null disk at QD32 with polling"
-run bench $J $R --iodepth=32 --disk null:1G --compare poll_us=0,50 --repeat "$REPEAT"
+run bench $J $R --iodepth=32 --disk null:1G --compare poll_us=0,50,200 --repeat "$REPEAT"
 
 echo; echo "## polling window of the device (RAM disk)"
 run bench $J $R --iodepth=1 --compare poll_us=0,10,50,200 --repeat "$REPEAT"

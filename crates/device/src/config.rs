@@ -10,7 +10,7 @@ pub const DEFAULT_NUM_QUEUES: u16 = 1;
 /// Default (and largest offered) virtqueue size.
 pub const DEFAULT_QUEUE_SIZE: u16 = 256;
 /// Default polling window after a worker's queues run dry, in microseconds.
-pub const DEFAULT_POLL_US: u64 = 50;
+pub const DEFAULT_POLL_US: u64 = 200;
 /// Largest payload buffer offered in `size_max`.
 pub const SIZE_MAX: u32 = 1 << 20;
 /// Largest discard / write-zeroes segment, in sectors (just under 2 GiB).
