@@ -4,7 +4,7 @@
 //! notifications and sleeps: on this kind of machine a cross-core eventfd wake-up costs tens
 //! of microseconds while a look at the ring costs a tenth of one. The window adapts: when
 //! spinning found work the window doubles (up to the configured maximum); when it found
-//! none the window halves (down to an eighth of the maximum), so an idle device stops
+//! none the window halves (down to a thirty-second of the maximum), so an idle device stops
 //! burning a core while a busy one keeps its latency.
 
 use std::time::Duration;
@@ -34,7 +34,7 @@ impl Poll {
 
     /// Spinning ran out without work.
     pub(crate) fn miss(&mut self) {
-        self.cur = (self.cur / 2).max(self.max / 8);
+        self.cur = (self.cur / 2).max(self.max / 32);
     }
 }
 
@@ -44,7 +44,7 @@ mod tests {
 
     #[test]
     fn window_adapts_within_bounds() {
-        let mut p = Poll::new(80);
+        let mut p = Poll::new(320);
         for _ in 0..10 {
             p.miss();
         }
@@ -54,7 +54,7 @@ mod tests {
         for _ in 0..10 {
             p.hit();
         }
-        assert_eq!(p.window(), Duration::from_micros(80));
+        assert_eq!(p.window(), Duration::from_micros(320));
         let mut off = Poll::new(0);
         off.hit();
         assert_eq!(off.window(), Duration::ZERO);
