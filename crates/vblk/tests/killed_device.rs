@@ -11,11 +11,10 @@ mod support;
 
 use std::sync::mpsc;
 
-use support::util::{temp_dir, within};
+use support::util::{die_with_parent, temp_dir, within};
 
 use std::collections::HashMap;
 use std::fs;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -50,18 +49,7 @@ impl Serve {
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
             .stderr(out);
-        // SAFETY: the closure runs in the child between fork and exec and only calls prctl,
-        // which is async-signal-safe. The Serve guard lives on the test's own thread and
-        // kills the child before that thread ends, so the parent-death signal fires only if
-        // the test process itself dies.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        die_with_parent(&mut cmd);
         let mut s = Serve {
             child: cmd.spawn().expect("cannot start vblk serve"),
             log,

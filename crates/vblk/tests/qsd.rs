@@ -9,13 +9,12 @@
 
 mod support;
 
-use support::util::{temp_dir, within};
+use support::util::{die_with_parent, temp_dir, within};
 
 use std::collections::HashMap;
 use std::fs;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -61,18 +60,7 @@ impl Daemon {
         cmd.stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
             .stderr(out);
-        // SAFETY: the closure runs in the child between fork and exec and only calls prctl,
-        // which is async-signal-safe. The guard that owns the child lives on the test's own
-        // thread, which outlives the child (Drop kills it), so the parent-death signal only
-        // fires if the whole test process dies and would otherwise leave the daemon behind.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        die_with_parent(&mut cmd);
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));

@@ -1,5 +1,7 @@
 //! Small helpers the end-to-end tests share.
 
+use std::os::unix::process::CommandExt;
+use std::process::Command;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::Duration;
 
@@ -32,4 +34,19 @@ pub fn temp_dir(prefix: &str) -> tempfile::TempDir {
         .prefix(prefix)
         .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
         .unwrap()
+}
+
+/// Make the child `cmd` starts die with the test process (SIGKILL on parent death), so a
+/// test that is killed or panics never leaves a daemon behind.
+pub fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: the closure runs in the child between fork and exec and only calls prctl,
+    // which is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
