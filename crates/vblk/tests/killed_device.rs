@@ -11,7 +11,7 @@ mod support;
 
 use std::sync::mpsc;
 
-use support::util::{die_with_parent, temp_dir, within};
+use support::util::{die_with_parent, stamp, temp_dir, within, MAGIC};
 
 use std::collections::HashMap;
 use std::fs;
@@ -141,26 +141,6 @@ fn attach(sock: &Path, pool_size: usize) -> Disk {
 }
 
 // ---- stamped data ----
-
-const MAGIC: &[u8; 4] = b"VBLK";
-
-/// Fill `buf` with the sectors of write `id` that start at sector `lba`: each names its
-/// write and its own sector number, and the rest follows from those two.
-fn stamp(buf: &mut [u8], id: u32, lba: u64) {
-    for (i, s) in buf.chunks_exact_mut(SECTOR).enumerate() {
-        let lba = lba + i as u64;
-        s[..4].copy_from_slice(MAGIC);
-        s[4..8].copy_from_slice(&id.to_le_bytes());
-        s[8..16].copy_from_slice(&lba.to_le_bytes());
-        let mut x = ((u64::from(id) << 40) ^ lba).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        for w in s[16..].chunks_exact_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            w.copy_from_slice(&x.to_le_bytes());
-        }
-    }
-}
 
 /// What sector `lba` holds: None for zeroes, Some(write id) for an intact stamp of that
 /// sector; anything else (torn, misplaced, garbage) is an error that says what it is.

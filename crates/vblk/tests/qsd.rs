@@ -9,7 +9,7 @@
 
 mod support;
 
-use support::util::{die_with_parent, temp_dir, within};
+use support::util::{die_with_parent, stamp, stamp_sector, temp_dir, within, MAGIC};
 
 use std::collections::HashMap;
 use std::fs;
@@ -198,29 +198,6 @@ fn options(pool_size: usize) -> DiskOptions {
 }
 
 // ---- stamped data ----
-
-const MAGIC: &[u8; 4] = b"VBLK";
-
-/// Fill `buf` with the sectors of write `id` that start at sector `lba`.
-fn stamp(buf: &mut [u8], id: u32, lba: u64) {
-    for (i, s) in buf.chunks_exact_mut(SECTOR).enumerate() {
-        stamp_sector(s, id, lba + i as u64);
-    }
-}
-
-/// A sector: magic, write id, its own sector number, then words that follow from those.
-fn stamp_sector(s: &mut [u8], id: u32, lba: u64) {
-    s[..4].copy_from_slice(MAGIC);
-    s[4..8].copy_from_slice(&id.to_le_bytes());
-    s[8..16].copy_from_slice(&lba.to_le_bytes());
-    let mut x = ((u64::from(id) << 40) ^ lba).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for w in s[16..].chunks_exact_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        w.copy_from_slice(&x.to_le_bytes());
-    }
-}
 
 /// What a sector holds, in words.
 fn describe(s: &[u8]) -> String {

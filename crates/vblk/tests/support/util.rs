@@ -50,3 +50,30 @@ pub fn die_with_parent(cmd: &mut Command) {
         });
     }
 }
+
+/// Bytes of a sector.
+pub const SECTOR_BYTES: usize = 512;
+/// First bytes of a stamped sector.
+pub const MAGIC: &[u8; 4] = b"VBLK";
+
+/// Fill `buf` with the stamped sectors of write `id` that start at sector `lba`.
+pub fn stamp(buf: &mut [u8], id: u32, lba: u64) {
+    for (i, s) in buf.chunks_exact_mut(SECTOR_BYTES).enumerate() {
+        stamp_sector(s, id, lba + i as u64);
+    }
+}
+
+/// A stamped sector: magic, write id, its own sector number, then words that follow from
+/// those two, so any misplaced, stale or torn sector is recognised and named.
+pub fn stamp_sector(s: &mut [u8], id: u32, lba: u64) {
+    s[..4].copy_from_slice(MAGIC);
+    s[4..8].copy_from_slice(&id.to_le_bytes());
+    s[8..16].copy_from_slice(&lba.to_le_bytes());
+    let mut x = ((u64::from(id) << 40) ^ lba).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for w in s[16..].chunks_exact_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        w.copy_from_slice(&x.to_le_bytes());
+    }
+}
