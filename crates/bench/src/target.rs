@@ -194,7 +194,7 @@ impl Target {
     pub fn device_sample(&self) -> Option<ThreadSample> {
         let me = std::process::id() as i32;
         match &self.spec {
-            TargetSpec::Embedded(_) => ThreadSample::take(me, &["vring_worker", "iou-"]).ok(),
+            TargetSpec::Embedded(_) => ThreadSample::take(me, &["vblk-worker", "iou-"]).ok(),
             TargetSpec::Socket { device_pid, .. } => {
                 device_pid.and_then(|p| ThreadSample::process(p).ok())
             }

@@ -5,13 +5,26 @@ use std::path::PathBuf;
 
 use storage::{CacheMode, DiskSpec, EngineKind};
 
-/// Default number of virtqueues.
-pub const DEFAULT_NUM_QUEUES: u16 = 1;
-/// Default (and largest offered) virtqueue size.
-pub const DEFAULT_QUEUE_SIZE: u16 = 256;
+/// Default number of virtqueues offered. QEMU's `vhost-user-blk-pci` asks for one queue
+/// per vCPU unless told otherwise and refuses to start when the backend offers fewer, so
+/// the default covers VMs of up to 256 vCPUs. A queue the frontend never starts costs a
+/// few hundred bytes of bookkeeping: rings, slots and buffers are allocated when it starts.
+pub const DEFAULT_NUM_QUEUES: u16 = 256;
+/// Most virtqueues `--num-queues` may offer (QEMU's VIRTIO_QUEUE_MAX).
+pub const MAX_NUM_QUEUES: u16 = 1024;
+/// Default for the largest virtqueue size accepted: QEMU's largest (`queue-size=1024`).
+pub const DEFAULT_QUEUE_SIZE: u16 = 1024;
+/// Largest virtqueue size the spec allows.
+pub const MAX_QUEUE_SIZE: u16 = 32768;
+/// Most data segments in one request, offered in `seg_max`, whatever queue size the
+/// frontend picks. Linux puts a request of up to `seg_max + 2` descriptors in one indirect
+/// table even when that is longer than the ring, so the device takes indirect tables of
+/// up to `max(queue size, seg_max + 2)` entries (docs/design-notes.md, "seg_max").
+pub const SEG_MAX: u32 = 254;
 /// Default polling window after a worker's queues run dry, in microseconds.
 pub const DEFAULT_POLL_US: u64 = 200;
-/// Largest payload buffer offered in `size_max`.
+/// `size_max`, the segment size offered to drivers. The device serves buffers of any
+/// length (a descriptor holds up to 4 GiB - 1); this is the size Linux splits segments at.
 pub const SIZE_MAX: u32 = 1 << 20;
 /// Largest discard / write-zeroes segment, in sectors (just under 2 GiB).
 pub const MAX_DISCARD_SECTORS: u32 = 0x3f_ffff;
@@ -42,7 +55,7 @@ pub struct DeviceConfig {
     pub num_queues: u16,
     /// Number of worker threads.
     pub threads: usize,
-    /// Largest virtqueue size offered.
+    /// Largest virtqueue size accepted.
     pub queue_size: u16,
     /// Storage engine.
     pub engine: EngineKind,
@@ -79,7 +92,7 @@ impl Default for DeviceConfig {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
     /// Queue count out of range.
-    #[error("--num-queues {0}: must be between 1 and 64")]
+    #[error("--num-queues {0}: must be between 1 and 1024")]
     NumQueues(u16),
     /// Queue size not a power of two in range.
     #[error("--queue-size {0}: must be a power of two between 4 and 32768")]
@@ -116,10 +129,13 @@ pub enum ConfigError {
 impl DeviceConfig {
     /// Check every value; the message names the flag and the number.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.num_queues == 0 || self.num_queues > 64 {
+        if self.num_queues == 0 || self.num_queues > MAX_NUM_QUEUES {
             return Err(ConfigError::NumQueues(self.num_queues));
         }
-        if !self.queue_size.is_power_of_two() || self.queue_size < 4 {
+        if !self.queue_size.is_power_of_two()
+            || self.queue_size < 4
+            || self.queue_size > MAX_QUEUE_SIZE
+        {
             return Err(ConfigError::QueueSize(self.queue_size));
         }
         if self.threads == 0 || self.threads > usize::from(self.num_queues) {
@@ -146,11 +162,9 @@ impl DeviceConfig {
         Ok(())
     }
 
-    /// Bit mask of the queues worker `t` owns: queue `i` goes to worker `i % threads`.
-    pub fn queue_mask(&self, t: usize) -> u64 {
-        (0..usize::from(self.num_queues))
-            .filter(|i| i % self.threads == t)
-            .fold(0, |m, i| m | (1 << i))
+    /// The worker that serves queue `queue`: queue `i` goes to worker `i % threads`.
+    pub fn worker_of(&self, queue: usize) -> usize {
+        queue % self.threads.max(1)
     }
 }
 
@@ -232,8 +246,9 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(ok.validate(), Ok(()));
-        assert_eq!(ok.queue_mask(0), 0b0101);
-        assert_eq!(ok.queue_mask(1), 0b1010);
+        assert_eq!(ok.worker_of(0), 0);
+        assert_eq!(ok.worker_of(3), 1);
+        assert_eq!(DeviceConfig::default().validate(), Ok(()));
         let bad = DeviceConfig {
             threads: 3,
             num_queues: 2,

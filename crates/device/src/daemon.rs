@@ -6,17 +6,14 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use log::{info, warn};
+use log::{error, info, warn};
 use storage::{Backend, OpenOptions};
-use vhost::vhost_user::Listener;
-use vhost_user_backend::VhostUserDaemon;
-use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
-use vmm_sys_util::epoll::EventSet;
+use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 
-use crate::blk::BlkDevice;
 use crate::config::{ConfigError, DeviceConfig, Listen};
+use crate::session::Session;
 
 /// Why the daemon could not start or had to stop.
 #[derive(Debug, thiserror::Error)]
@@ -71,56 +68,76 @@ pub fn serve(
         disk.logical_block_size(),
         if config.read_only { ", read-only" } else { "" }
     );
-    let mut listener = make_listener(listen)?;
-    ready();
-    while !stop.load(Ordering::Relaxed) {
-        serve_one(config, &disk, &mut listener)?;
-    }
-    Ok(())
-}
-
-/// Accept one frontend and serve it until it disconnects.
-fn serve_one(
-    config: &DeviceConfig,
-    disk: &Arc<Backend>,
-    listener: &mut Listener,
-) -> Result<(), Error> {
-    let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
-    let device = Arc::new(BlkDevice::new(config, disk, mem.clone())?);
-    let mut daemon = VhostUserDaemon::new("vblk".to_string(), device.clone(), mem)
-        .map_err(|e| Error::VhostUser(e.to_string()))?;
-    let handlers = daemon.get_epoll_handlers();
-    for (t, fd) in device.engine_fds() {
-        if let Some(h) = handlers.get(t) {
-            h.register_listener(fd, EventSet::IN, device.wake_event())
-                .map_err(|e| Error::VhostUser(format!("cannot watch engine completions: {e}")))?;
-        }
-    }
+    let listener = make_listener(listen)?;
     info!(
         "listening ({} queues of up to {} entries on {} workers, engine {}, polling {} µs)",
         config.num_queues, config.queue_size, config.threads, config.engine, config.poll_us
     );
-    daemon
-        .start(listener)
-        .map_err(|e| Error::VhostUser(e.to_string()))?;
-    info!("frontend connected");
-    match daemon.wait() {
-        Ok(()) => info!("frontend disconnected"),
-        // A frontend that closes its socket (a VM shutting down) is the normal way out.
-        Err(vhost_user_backend::Error::HandleRequest(
-            vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
-        )) => info!("frontend disconnected"),
-        Err(e) => warn!("frontend connection ended: {e}"),
-    }
-    for q in 0..usize::from(config.num_queues) {
-        if let Some((done, bad)) = device.queue_counters(q) {
-            info!("queue {q}: {done} requests completed, {bad} rejected");
-        }
+    ready();
+    while !stop.load(Ordering::Relaxed) {
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(Error::Listen {
+                    path: describe(listen),
+                    source: e,
+                })
+            }
+        };
+        serve_one(config, &disk, stream)?;
     }
     Ok(())
 }
 
-fn make_listener(listen: &Listen) -> Result<Listener, Error> {
+fn describe(listen: &Listen) -> String {
+    match listen {
+        Listen::Path(p) => p.display().to_string(),
+        Listen::Fd(fd) => format!("fd {fd}"),
+    }
+}
+
+/// Serve one frontend until it disconnects (or breaks the protocol).
+fn serve_one(config: &DeviceConfig, disk: &Arc<Backend>, stream: UnixStream) -> Result<(), Error> {
+    let conn = stream
+        .try_clone()
+        .map_err(|e| Error::VhostUser(format!("cannot clone the connection: {e}")))?;
+    let session = Arc::new(Mutex::new(Session::new(config, disk, conn)?));
+    let mut handler = BackendReqHandler::from_stream(stream, session.clone());
+    info!("frontend connected");
+    loop {
+        match handler.handle_request() {
+            Ok(()) => {}
+            // A frontend that closes its socket (a VM shutting down) is the normal way out.
+            Err(VuError::Disconnected | VuError::PartialMessage) => {
+                info!("frontend disconnected");
+                break;
+            }
+            Err(e) => {
+                warn!("frontend session ended: {e}");
+                break;
+            }
+        }
+        if lock(&session).poisoned() {
+            error!("the frontend truncated guest memory under the device; connection closed");
+            break;
+        }
+    }
+    drop(handler);
+    let session = lock(&session);
+    for (q, done, bad, failed) in session.counters() {
+        info!("queue {q}: {done} requests completed, {bad} rejected, {failed} failed");
+    }
+    Ok(())
+}
+
+/// A poisoned lock means a thread panicked while holding the session; its state is
+/// still consistent message by message, so carry on.
+fn lock(m: &Mutex<Session>) -> MutexGuard<'_, Session> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn make_listener(listen: &Listen) -> Result<UnixListener, Error> {
     match listen {
         Listen::Path(path) => {
             clear_stale_socket(path)?;
@@ -129,7 +146,7 @@ fn make_listener(listen: &Listen) -> Result<Listener, Error> {
                 source,
             })?;
             info!("listening on {}", path.display());
-            Ok(Listener::from(l))
+            Ok(l)
         }
         Listen::Fd(fd) => {
             // SAFETY: fstat on an fd number only reads metadata; a bad fd gives EBADF.
@@ -150,7 +167,7 @@ fn make_listener(listen: &Listen) -> Result<Listener, Error> {
             info!("listening on inherited fd {fd}");
             // SAFETY: the caller handed us this listening socket (--fd); from here on the
             // daemon owns it and nothing else closes it.
-            Ok(Listener::from(unsafe { UnixListener::from_raw_fd(*fd) }))
+            Ok(unsafe { UnixListener::from_raw_fd(*fd) })
         }
     }
 }

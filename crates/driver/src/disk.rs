@@ -112,7 +112,8 @@ pub struct DiskInfo {
 /// How to attach.
 #[derive(Clone, Debug)]
 pub struct DiskOptions {
-    /// Queues to set up (None: as many as the device offers).
+    /// Queues to set up (None: one per CPU of this machine, at most as many as the device
+    /// offers — what Linux's virtio_blk does).
     pub num_queues: Option<u16>,
     /// Entries per queue (a power of two).
     pub queue_size: u16,
@@ -387,7 +388,10 @@ impl Disk {
                 .map_err(|e| connect_err("GET_QUEUE_NUM", e))?;
             device_queues = device_queues.min(n.min(u64::from(u16::MAX)) as u16).max(1);
         }
-        let num_queues = opts.num_queues.unwrap_or(device_queues);
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let num_queues = opts
+            .num_queues
+            .unwrap_or_else(|| device_queues.min(u16::try_from(cpus).unwrap_or(u16::MAX)));
         if num_queues == 0 || num_queues > device_queues {
             return Err(Error::new(
                 ErrorKind::InvalidInput,

@@ -292,9 +292,12 @@ fn read_only_device_refuses_writes() {
     });
     let disk = Disk::attach(&sock, &DiskOptions::default()).unwrap();
     assert!(disk.info().read_only);
-    assert!(!disk.info().discard && !disk.info().write_zeroes);
+    // Offered as qemu-storage-daemon offers them on a read-only export; refused like writes.
+    assert!(disk.info().discard && disk.info().write_zeroes);
     let mut q = disk.take_queue(0).unwrap();
     let e = q.write_at(0, &[1u8; 512]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ReadOnly);
+    let e = q.discard_sync(0, 4096).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::ReadOnly);
     let mut got = vec![1u8; 512];
     q.read_at(0, &mut got).unwrap();

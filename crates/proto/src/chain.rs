@@ -25,6 +25,27 @@ pub struct RingInfo {
     pub size: u16,
     /// Whether VIRTIO_F_RING_INDIRECT_DESC was negotiated.
     pub indirect: bool,
+    /// Most descriptors an indirect table may hold: see [`RingInfo::max_indirect_for`].
+    pub max_indirect: u16,
+}
+
+impl RingInfo {
+    /// The indirect-table bound for a queue of `size` entries on a device advertising
+    /// `seg_max`. The spec bounds a chain by the queue size, but Linux builds tables of
+    /// `seg_max + 2` entries (header, data, status) whatever the queue size, and QEMU
+    /// and libvhost-user walk tables of up to 1024 (VIRTQUEUE_MAX_SIZE). The largest of
+    /// the three, at most 32768: every table a driver may build is walked, and a
+    /// request with too many data segments is answered (IOERR) rather than dropped.
+    pub fn max_indirect_for(size: u16, seg_max: u32) -> u16 {
+        let want = seg_max.saturating_add(2).max(u32::from(size)).max(1024);
+        want.min(32768) as u16
+    }
+
+    /// The most buffers one chain of this ring can hold: a direct part of at most `size`
+    /// descriptors and one indirect table.
+    pub fn max_segments(&self) -> usize {
+        usize::from(self.size) + usize::from(self.max_indirect)
+    }
 }
 
 /// One buffer of a chain, in guest terms.
@@ -94,9 +115,6 @@ pub enum ChainError {
         /// The most allowed.
         max: usize,
     },
-    /// The buffers add up to more than 4 GiB.
-    #[error("chain buffers add up to more than 4 GiB")]
-    TooLarge,
 }
 
 /// Host address of a descriptor table of `entries` entries, when it lies inside one
@@ -151,7 +169,8 @@ fn read_desc<M: GuestMemoryBackend>(
 }
 
 /// Walk the chain that starts at `head`, appending its buffers to `out` (cleared first).
-/// `out`'s capacity bounds the walk: it never grows.
+/// `out`'s capacity bounds the walk: it never grows. A capacity of
+/// [`RingInfo::max_segments`] holds every chain the walker accepts.
 pub fn walk<M: GuestMemoryBackend>(
     mem: &M,
     ring: RingInfo,
@@ -165,7 +184,6 @@ pub fn walk<M: GuestMemoryBackend>(
             size: ring.size,
         });
     }
-    let mut total: u32 = 0;
     let mut table = ring.desc_table;
     let mut table_size = ring.size;
     let mut host = host_table(mem, table, table_size);
@@ -192,7 +210,7 @@ pub fn walk<M: GuestMemoryBackend>(
             if flags & DESC_F_NEXT != 0 {
                 return Err(ChainError::IndirectWithNext);
             }
-            let max = u32::from(ring.size) * DESC_SIZE as u32;
+            let max = u32::from(ring.max_indirect) * DESC_SIZE as u32;
             let len = desc.len();
             if len == 0 || !len.is_multiple_of(DESC_SIZE as u32) || len > max {
                 return Err(ChainError::IndirectBadLength { len, max });
@@ -210,7 +228,6 @@ pub fn walk<M: GuestMemoryBackend>(
                 max: out.capacity(),
             });
         }
-        total = total.checked_add(desc.len()).ok_or(ChainError::TooLarge)?;
         out.push(Segment {
             addr: desc.addr(),
             len: desc.len(),

@@ -21,10 +21,9 @@ use crate::wire::{
 pub struct Limits {
     /// Disk size in 512-byte sectors.
     pub capacity: u64,
-    /// Most payload buffers in one request (`seg_max`).
+    /// Most payload buffers in one request (`seg_max`). A buffer of any length is
+    /// served: `size_max` is advice to the driver, not a limit the device enforces.
     pub seg_max: u32,
-    /// Largest payload buffer (`size_max`).
-    pub size_max: u32,
     /// The disk refuses writes.
     pub read_only: bool,
     /// FLUSH was negotiated.
@@ -133,13 +132,20 @@ pub enum RequestError {
         /// The most allowed.
         max: u32,
     },
-    /// A payload buffer larger than `size_max`.
-    #[error("payload buffer of {len} bytes is larger than size_max {size_max}")]
-    SegmentTooLarge {
-        /// Its length.
-        len: u32,
-        /// The limit.
-        size_max: u32,
+    /// The payload needs more host iovecs than the device keeps per request (its
+    /// buffers cross more memory-region boundaries than two iovecs per buffer cover).
+    #[error(
+        "payload needs more than {max} host iovecs (buffers split at memory-region boundaries)"
+    )]
+    TooManyIovecs {
+        /// The most allowed.
+        max: usize,
+    },
+    /// The payload is larger than a used length can report.
+    #[error("payload of {len} bytes is larger than 4 GiB - 2")]
+    TooLarge {
+        /// Payload bytes.
+        len: u64,
     },
     /// Discard / write-zeroes payload is not 1..=max whole segments.
     #[error("discard/write-zeroes payload of {len} bytes: expected exactly one 16-byte segment")]
@@ -201,8 +207,9 @@ impl Rejected {
     }
 }
 
-/// A request ready to run. Reused from slot to slot: its iovec vector keeps the capacity it
-/// was made with and never grows.
+/// A request ready to run. Reused for every request of one slot: its iovec vector keeps
+/// the largest capacity it needed (at most [`Request::max_iovecs`]), so a warm slot never
+/// allocates.
 #[derive(Debug)]
 pub struct Request {
     /// What to do.
@@ -223,7 +230,13 @@ pub struct Request {
 unsafe impl Send for Request {}
 
 impl Request {
-    /// A request able to hold `max_iov` payload iovecs.
+    /// Host iovecs one request may need on a device advertising `seg_max`: each buffer
+    /// may straddle one memory-region boundary, plus slack for GET_ID.
+    pub fn max_iovecs(seg_max: u32) -> usize {
+        2 * seg_max as usize + 4
+    }
+
+    /// A request with room for `max_iov` payload iovecs before it first grows.
     pub fn with_capacity(max_iov: usize) -> Request {
         Request {
             kind: RequestKind::In,
@@ -276,6 +289,9 @@ impl Parser {
         req.len = 0;
         req.sector = 0;
         req.status_ptr = std::ptr::null_mut();
+        // Grows only when a queue larger than any before starts (not per request).
+        self.segs
+            .reserve(ring.max_segments().saturating_sub(self.segs.len()));
         chain::walk(mem, ring, head, &mut self.segs)
             .map_err(|e| Rejected::Unanswerable(e.into()))?;
         let segs = &self.segs[..];
@@ -330,10 +346,11 @@ impl Parser {
         match type_ {
             req_type::IN | req_type::OUT => {
                 let write = type_ == req_type::OUT;
-                direction(write, !write)?;
                 if write && limits.read_only {
+                    // virtio 1.2 §5.2.6.2: IOERR for any write to a read-only device.
                     return Err(answer(RequestError::ReadOnly));
                 }
+                direction(write, !write)?;
                 req.kind = if write {
                     RequestKind::Out
                 } else {
@@ -346,6 +363,9 @@ impl Parser {
                 };
                 if !len.is_multiple_of(SECTOR_SIZE) {
                     return Err(answer(RequestError::Unaligned { len }));
+                }
+                if len >= u64::from(u32::MAX) {
+                    return Err(answer(RequestError::TooLarge { len }));
                 }
                 check_range(req.sector, len / SECTOR_SIZE, limits.capacity).map_err(answer)?;
                 req.len = len;
@@ -377,6 +397,10 @@ impl Parser {
                 if !negotiated {
                     return Err(answer(RequestError::NotNegotiated { type_ }));
                 }
+                if limits.read_only {
+                    // Like a write (§5.2.6.2), and as qemu-storage-daemon answers.
+                    return Err(answer(RequestError::ReadOnly));
+                }
                 direction(true, false)?;
                 if data_in != SEGMENT_LEN as u64 {
                     return Err(answer(RequestError::SegmentCount { len: data_in }));
@@ -393,9 +417,6 @@ impl Parser {
                 let allowed = if discard { 0 } else { SEGMENT_FLAG_UNMAP };
                 if flags & !allowed != 0 {
                     return Err(answer(RequestError::SegmentFlags { flags }));
-                }
-                if limits.read_only {
-                    return Err(answer(RequestError::ReadOnly));
                 }
                 let sectors = u32::from_le(seg.num_sectors);
                 if sectors > max {
@@ -455,6 +476,7 @@ fn map_payload<M: GuestMemoryBackend>(
     limits: &Limits,
     iov: &mut Vec<libc::iovec>,
 ) -> Result<(), RequestError> {
+    let max_iov = Request::max_iovecs(limits.seg_max);
     let mut left = len;
     let mut buffers = 0u32;
     for s in segs {
@@ -476,28 +498,24 @@ fn map_payload<M: GuestMemoryBackend>(
                 max: limits.seg_max,
             });
         }
-        if s.len > limits.size_max {
-            return Err(RequestError::SegmentTooLarge {
-                len: s.len,
-                size_max: limits.size_max,
-            });
-        }
         let start = s.addr.checked_add(skip).ok_or(RequestError::BadAddress {
             addr: s.addr.0,
             len: seg_len,
         })?;
-        map_buffer(mem, start, n, iov)?;
+        map_buffer(mem, start, n, max_iov, iov)?;
         skip = 0;
         left -= n;
     }
     Ok(())
 }
 
-/// Append host iovecs for one guest buffer, split where it crosses memory regions.
+/// Append host iovecs for one guest buffer, split where it crosses memory regions; at
+/// most `max_iov` in all.
 fn map_buffer<M: GuestMemoryBackend>(
     mem: &M,
     addr: GuestAddress,
     len: u64,
+    max_iov: usize,
     iov: &mut Vec<libc::iovec>,
 ) -> Result<(), RequestError> {
     let bad = RequestError::BadAddress { addr: addr.0, len };
@@ -510,11 +528,10 @@ fn map_buffer<M: GuestMemoryBackend>(
         let host = region
             .get_host_address(MemoryRegionAddress(off))
             .map_err(|_| bad)?;
-        if iov.len() == iov.capacity() {
-            return Err(RequestError::TooManySegments {
-                max: iov.capacity() as u32,
-            });
+        if iov.len() >= max_iov {
+            return Err(RequestError::TooManyIovecs { max: max_iov });
         }
+        // Grows only the first time this slot sees a request this fragmented.
         iov.push(libc::iovec {
             iov_base: host.cast(),
             iov_len: n as usize,

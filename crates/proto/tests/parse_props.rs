@@ -75,7 +75,6 @@ proptest! {
         let limits = Limits {
             capacity: CAPACITY,
             seg_max: 14,
-            size_max: 65536,
             read_only,
             flush: true,
             discard: true,
@@ -83,7 +82,7 @@ proptest! {
             max_discard_sectors: 1024,
             max_write_zeroes_sectors: 1024,
         };
-        let ring = RingInfo { desc_table: GuestAddress(TABLE), size: QSIZE, indirect };
+        let ring = RingInfo { desc_table: GuestAddress(TABLE), size: QSIZE, indirect, max_indirect: QSIZE };
         let mut parser = Parser::new(32);
         let mut req = Request::with_capacity(32);
         if parser.parse(&mem, ring, head, &limits, &mut req).is_ok() {

@@ -12,9 +12,6 @@ use crate::engine::errno;
 /// The most iovecs one `preadv`/`pwritev`/`IORING_OP_READV` takes.
 pub(crate) const IOV_MAX: usize = libc::UIO_MAXIOV as usize;
 
-/// The smallest bounce buffer; buffers grow in powers of two from here.
-const MIN_BOUNCE: usize = 64 * 1024;
-
 /// What O_DIRECT demands of an operation on one file. Both are powers of two.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DioAlign {
@@ -98,6 +95,7 @@ impl AlignedBuf {
         Ok(AlignedBuf { ptr, layout })
     }
 
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.layout.size()
     }
@@ -115,78 +113,118 @@ impl Drop for AlignedBuf {
     }
 }
 
-/// An engine's bounce buffers. A buffer is taken for one operation and given back
-/// on its completion; buffers only ever grow, so once the pool has seen the
-/// largest operation no operation allocates.
+/// Size of one bounce buffer: an unaligned operation larger than this is carried in
+/// pieces of this size.
+pub(crate) const BOUNCE_CHUNK: usize = 1 << 20;
+
+/// Most bounce buffers one engine holds: at most `BOUNCE_BUDGET * BOUNCE_CHUNK` bytes
+/// (16 MiB) per worker, whatever the guest sends. An operation that needs one when all
+/// are lent out waits until one comes back.
+pub(crate) const BOUNCE_BUDGET: usize = 16;
+
+/// An engine's bounce buffers: at most [`BOUNCE_BUDGET`] of [`BOUNCE_CHUNK`] bytes,
+/// allocated the first time they are needed and reused after.
 pub(crate) struct BouncePool {
     free: Vec<AlignedBuf>,
+    lent: usize,
     align: usize,
 }
 
 impl BouncePool {
-    /// A pool for at most `depth` operations at once, aligned for `dio`.
-    pub(crate) fn new(depth: usize, dio: DioAlign) -> Self {
+    /// A pool aligned for `dio`.
+    pub(crate) fn new(dio: DioAlign) -> Self {
         let align = (dio.mem.max(dio.offset) as usize).max(4096);
         BouncePool {
-            free: Vec::with_capacity(depth),
+            free: Vec::with_capacity(BOUNCE_BUDGET),
+            lent: 0,
             align,
         }
     }
 
-    /// A buffer of at least `len` bytes.
-    pub(crate) fn take(&mut self, len: usize) -> io::Result<AlignedBuf> {
-        match self.free.pop() {
-            Some(buf) if buf.len() >= len => Ok(buf),
-            // Too small (or none yet): replace with a bigger one.
-            _ => {
-                let size = len
-                    .max(MIN_BOUNCE)
-                    .checked_next_power_of_two()
-                    .unwrap_or(len);
-                AlignedBuf::new(size, self.align)
-            }
+    /// A buffer of [`BOUNCE_CHUNK`] bytes, or None when all are lent out (or the
+    /// allocator refused one).
+    pub(crate) fn take(&mut self) -> Option<AlignedBuf> {
+        if self.lent >= BOUNCE_BUDGET {
+            return None;
         }
+        let buf = match self.free.pop() {
+            Some(buf) => buf,
+            None => AlignedBuf::new(BOUNCE_CHUNK, self.align).ok()?,
+        };
+        self.lent += 1;
+        Some(buf)
     }
 
     /// Returns a buffer for reuse.
     pub(crate) fn give(&mut self, buf: AlignedBuf) {
-        if self.free.len() < self.free.capacity() {
-            self.free.push(buf);
-        }
+        self.lent = self.lent.saturating_sub(1);
+        self.free.push(buf);
     }
 }
 
-/// Copies the data `iov` describes into `dst`, back to back.
+/// Copies `len` bytes of the data `iov` describes, starting `pos` bytes in, to `dst`.
 ///
 /// # Safety
-/// Every iovec points to `iov_len` readable bytes, `dst` to at least the total
-/// length of writable bytes, and the two do not overlap.
-pub(crate) unsafe fn gather(iov: &[libc::iovec], dst: *mut u8) {
-    let mut at = 0usize;
-    for v in iov {
-        // SAFETY: by the contract, the source is readable for iov_len bytes and
-        // `dst + at .. + iov_len` lies inside `dst`'s total length; no overlap.
-        unsafe { std::ptr::copy_nonoverlapping(v.iov_base as *const u8, dst.add(at), v.iov_len) };
-        at += v.iov_len;
-    }
+/// Every iovec points to `iov_len` readable bytes, `dst` to at least `len` writable
+/// bytes, `pos + len` is at most the total length, and the two do not overlap.
+pub(crate) unsafe fn gather(iov: &[libc::iovec], pos: usize, len: usize, dst: *mut u8) {
+    // SAFETY: forwarded contract; `copy` copies from the iovec side to dst.
+    unsafe { copy_iov(iov, pos, len, dst, false) }
 }
 
-/// Copies the first `len` bytes at `src` out into the buffers of `iov`, in order.
+/// Copies `len` bytes at `src` into the buffers of `iov`, starting `pos` bytes in.
 ///
 /// # Safety
 /// `src` points to `len` readable bytes, every iovec to `iov_len` writable bytes,
-/// and they do not overlap.
-pub(crate) unsafe fn scatter(src: *const u8, len: usize, iov: &[libc::iovec]) {
-    let mut at = 0usize;
+/// `pos + len` is at most the total length, and they do not overlap.
+pub(crate) unsafe fn scatter(src: *const u8, len: usize, iov: &[libc::iovec], pos: usize) {
+    // SAFETY: forwarded contract; the copy goes from `src` to the iovec side.
+    unsafe { copy_iov(iov, pos, len, src.cast_mut(), true) }
+}
+
+/// Zeroes the buffers of `iov` from `pos` bytes in to the end.
+///
+/// # Safety
+/// Every iovec points to `iov_len` writable bytes.
+pub(crate) unsafe fn zero_from(iov: &[libc::iovec], mut pos: usize) {
     for v in iov {
-        if at >= len {
+        if pos >= v.iov_len {
+            pos -= v.iov_len;
+            continue;
+        }
+        // SAFETY: pos < iov_len; writable for iov_len bytes by the contract.
+        unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>().add(pos), 0, v.iov_len - pos) };
+        pos = 0;
+    }
+}
+
+/// The copy behind [`gather`] (`into_iov` false) and [`scatter`] (true).
+///
+/// # Safety
+/// As for those two.
+unsafe fn copy_iov(iov: &[libc::iovec], mut pos: usize, len: usize, flat: *mut u8, into_iov: bool) {
+    let mut done = 0usize;
+    for v in iov {
+        if done == len {
             break;
         }
-        let n = v.iov_len.min(len - at);
-        // SAFETY: `src + at .. + n` is inside `src`'s `len` bytes, the destination
-        // is writable for iov_len >= n bytes; no overlap by the contract.
-        unsafe { std::ptr::copy_nonoverlapping(src.add(at), v.iov_base as *mut u8, n) };
-        at += n;
+        if pos >= v.iov_len {
+            pos -= v.iov_len;
+            continue;
+        }
+        let n = (v.iov_len - pos).min(len - done);
+        // SAFETY: `pos + n <= iov_len`, so the iovec side is in bounds; `done + n <=
+        // len`, so the flat side is; the caller promises validity and no overlap.
+        unsafe {
+            let side = v.iov_base.cast::<u8>().add(pos);
+            if into_iov {
+                std::ptr::copy_nonoverlapping(flat.add(done), side, n);
+            } else {
+                std::ptr::copy_nonoverlapping(side, flat.add(done), n);
+            }
+        }
+        done += n;
+        pos = 0;
     }
 }
 
@@ -229,35 +267,48 @@ mod tests {
         let v = [iov(a.as_mut_ptr(), 100), iov(b.as_mut_ptr(), 28)];
         let bounce = AlignedBuf::new(128, 4096).unwrap();
         // SAFETY: the iovecs name live vectors; the bounce holds 128 bytes.
-        unsafe { gather(&v, bounce.as_mut_ptr()) };
+        unsafe { gather(&v, 0, 128, bounce.as_mut_ptr()) };
         // SAFETY: the bounce holds 128 initialised bytes.
         let s = unsafe { std::slice::from_raw_parts_mut(bounce.as_mut_ptr(), 128) };
         assert!(s[..100].iter().all(|&x| x == 1) && s[100..].iter().all(|&x| x == 2));
         s.iter_mut().enumerate().for_each(|(i, x)| *x = i as u8);
         // SAFETY: as above, in the other direction.
-        unsafe { scatter(bounce.as_mut_ptr(), 128, &v) };
+        unsafe { scatter(bounce.as_mut_ptr(), 128, &v, 0) };
         assert_eq!(a[99], 99);
         assert_eq!(b[0], 100);
+        // A window that starts inside the first buffer and ends inside the second.
+        // SAFETY: 90 + 20 <= 128; the bounce holds 128 bytes.
+        unsafe { gather(&v, 90, 20, bounce.as_mut_ptr()) };
+        assert_eq!(&s[..20], &(90u8..110).collect::<Vec<_>>()[..]);
+        s[..20].fill(0xee);
+        // SAFETY: as above.
+        unsafe { scatter(bounce.as_mut_ptr(), 20, &v, 95) };
+        assert_eq!(
+            (a[94], a[95], a[99], b[14], b[15]),
+            (94, 0xee, 0xee, 0xee, 115)
+        );
     }
 
     #[test]
-    fn pool_reuses_and_grows() {
-        let mut pool = BouncePool::new(
-            2,
-            DioAlign {
-                mem: 512,
-                offset: 512,
-            },
-        );
-        let a = pool.take(4096).unwrap();
-        assert_eq!(a.len(), MIN_BOUNCE);
+    fn pool_is_bounded_and_reuses() {
+        let mut pool = BouncePool::new(DioAlign {
+            mem: 512,
+            offset: 512,
+        });
+        let a = pool.take().unwrap();
+        assert_eq!(a.len(), BOUNCE_CHUNK);
         assert_eq!(a.as_mut_ptr() as usize % 4096, 0);
         let p = a.as_mut_ptr();
         pool.give(a);
-        let b = pool.take(1000).unwrap();
+        let b = pool.take().unwrap();
         assert_eq!(b.as_mut_ptr(), p, "reused");
-        pool.give(b);
-        let c = pool.take(MIN_BOUNCE + 1).unwrap();
-        assert_eq!(c.len(), 2 * MIN_BOUNCE);
+        let mut held = vec![b];
+        while let Some(x) = pool.take() {
+            held.push(x);
+        }
+        assert_eq!(held.len(), BOUNCE_BUDGET, "never more than the budget");
+        pool.give(held.pop().unwrap());
+        assert!(pool.take().is_some());
+        assert!(pool.take().is_none());
     }
 }

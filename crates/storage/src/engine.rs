@@ -146,6 +146,12 @@ pub trait Engine: Send {
     fn notify_fd(&self) -> Option<RawFd>;
     /// Operations pushed and not yet reaped.
     fn in_flight(&self) -> usize;
+    /// Operations queued that the kernel has not accepted yet (it answered EAGAIN or
+    /// EBUSY, or took part of a batch). The caller must call `submit` again soon — it
+    /// cannot count on a completion to wake it while this is not zero.
+    fn backlog(&self) -> usize {
+        0
+    }
 }
 
 /// Checks an engine depth and returns it as a count.

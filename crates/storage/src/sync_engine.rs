@@ -23,7 +23,7 @@ pub(crate) struct SyncEngine {
 impl SyncEngine {
     pub(crate) fn new(backend: Arc<Backend>, depth: usize) -> Self {
         SyncEngine {
-            io: SyncIo::new(backend, depth),
+            io: SyncIo::new(backend),
             queued: VecDeque::with_capacity(depth),
             done: CompletionRing::new(depth),
             depth,

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::backend::{Backend, BackendKind, FallocCaps};
-use crate::bounce::{gather, scatter, AlignedBuf, BouncePool, DioAlign, IOV_MAX};
+use crate::bounce::{gather, scatter, AlignedBuf, BouncePool, DioAlign, BOUNCE_CHUNK, IOV_MAX};
 use crate::engine::{check_range, errno, iov_slice, iov_total, Dir, Op};
 
 /// `BLKDISCARD`: discard a byte range of a block device (`_IO(0x12, 119)`).
@@ -248,15 +248,12 @@ pub(crate) struct SyncIo {
 }
 
 impl SyncIo {
-    pub(crate) fn new(backend: Arc<Backend>, depth: usize) -> Self {
+    pub(crate) fn new(backend: Arc<Backend>) -> Self {
         let dio = backend.dio();
-        let bounce = BouncePool::new(
-            depth,
-            dio.unwrap_or(DioAlign {
-                mem: 512,
-                offset: 512,
-            }),
-        );
+        let bounce = BouncePool::new(dio.unwrap_or(DioAlign {
+            mem: 512,
+            offset: 512,
+        }));
         SyncIo {
             fd: backend.fd(),
             dio,
@@ -324,23 +321,46 @@ impl SyncIo {
         check_range(offset, total, self.backend.size())?;
         match self.dio {
             Some(dio) if !dio.fits(iov) => {
-                let len = usize::try_from(total).map_err(|_| errno(libc::EINVAL))?;
-                let buf = self.bounce.take(len)?;
-                if dir == Dir::Write {
-                    // SAFETY: the caller's buffers are readable; the bounce holds >= len.
-                    unsafe { gather(iov, buf.as_mut_ptr()) };
-                }
-                let one = [libc::iovec {
-                    iov_base: buf.as_mut_ptr().cast(),
-                    iov_len: len,
-                }];
-                // SAFETY: `one` names the bounce buffer, owned here for the call.
-                let result = unsafe { rw_from(self.fd, dir, offset, &one, total, 0, durable) };
-                if dir == Dir::Read && result.is_ok() {
-                    // SAFETY: the bounce holds `len` bytes just read; the caller's
-                    // buffers are writable and distinct from it.
-                    unsafe { scatter(buf.as_mut_ptr(), len, iov) };
-                }
+                let total_n = usize::try_from(total).map_err(|_| errno(libc::EINVAL))?;
+                // One operation at a time here, so the pool always has a buffer.
+                let buf = self.bounce.take().ok_or_else(|| errno(libc::ENOMEM))?;
+                let mut pos = 0usize;
+                let result = loop {
+                    if pos == total_n {
+                        break Ok(total);
+                    }
+                    let n = (total_n - pos).min(BOUNCE_CHUNK);
+                    if dir == Dir::Write {
+                        // SAFETY: the caller's buffers are readable for `total` bytes,
+                        // pos + n <= total; the bounce holds BOUNCE_CHUNK >= n bytes.
+                        unsafe { gather(iov, pos, n, buf.as_mut_ptr()) };
+                    }
+                    let one = [libc::iovec {
+                        iov_base: buf.as_mut_ptr().cast(),
+                        iov_len: n,
+                    }];
+                    // SAFETY: `one` names the bounce buffer, owned here for the call.
+                    let piece = unsafe {
+                        rw_from(
+                            self.fd,
+                            dir,
+                            offset + pos as u64,
+                            &one,
+                            n as u64,
+                            0,
+                            durable,
+                        )
+                    };
+                    if let Err(e) = piece {
+                        break Err(e);
+                    }
+                    if dir == Dir::Read {
+                        // SAFETY: the bounce holds `n` bytes just read; the caller's
+                        // buffers are writable and distinct from it.
+                        unsafe { scatter(buf.as_mut_ptr(), n, iov, pos) };
+                    }
+                    pos += n;
+                };
                 self.bounce.give(buf);
                 result
             }

@@ -43,7 +43,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SPEC")]
     pub blk_file: Option<DiskSpec>,
 
-    /// Export the disk read-only: writes, discards and write-zeroes fail with IOERR.
+    /// Export the disk read-only: VIRTIO_BLK_F_RO is offered, and writes, discards and
+    /// write-zeroes fail with IOERR (DISCARD and WRITE_ZEROES stay offered, as
+    /// qemu-storage-daemon does; a guest kernel refuses them itself).
     #[arg(long)]
     pub read_only: bool,
 
@@ -62,7 +64,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "STRING")]
     pub serial: Option<String>,
 
-    /// Number of virtqueues offered (1-64).
+    /// Number of virtqueues offered (1-1024). QEMU's vhost-user-blk-pci asks for one per
+    /// vCPU by default and refuses to start with fewer; the default covers VMs of up to
+    /// 256 vCPUs. Queues the frontend never starts cost nothing but a few hundred bytes.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_NUM_QUEUES)]
     pub num_queues: u16,
 
@@ -70,7 +74,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "T", default_value_t = 1)]
     pub threads: usize,
 
-    /// Largest virtqueue size offered (power of two); seg_max is this minus 2.
+    /// Largest virtqueue size accepted (a power of two up to 32768; QEMU allows up to 1024).
+    /// Slots and buffers are sized to the size the frontend picks, when it starts a queue.
+    /// seg_max (254 segments per request) does not depend on it.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_QUEUE_SIZE)]
     pub queue_size: u16,
 

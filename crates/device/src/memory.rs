@@ -1,0 +1,402 @@
+//! Guest memory as the frontend describes it (SET_MEM_TABLE, ADD_MEM_REG, REM_MEM_REG):
+//! each region checked, mapped and registered with the SIGBUS guard; an immutable snapshot
+//! ([`GuestMemory`]) that workers hold while requests point into it.
+//!
+//! A region is refused, with the numbers, when it is empty or overflows; when its file is
+//! not a regular file, memfd, hugetlbfs file or character device (DAX); when it reaches past
+//! the end of its file (`fstat`: mapping it would let any access there kill the daemon with
+//! SIGBUS); when its offset is not page aligned; when it overlaps another region in guest
+//! physical or frontend virtual addresses; or when there are more than
+//! [`MAX_MEM_SLOTS`] of them.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{
+    Address, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
+    GuestRegionMmap, MemoryRegionAddress,
+};
+
+use crate::sigbus;
+
+/// Memory regions one session may have (the answer to GET_MAX_MEM_SLOTS).
+pub(crate) const MAX_MEM_SLOTS: usize = 509;
+
+/// Why a region or a memory table is refused.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum MemError {
+    #[error(
+        "region at guest address {gpa:#x}: size {size:#x} is zero or makes an address overflow"
+    )]
+    BadSize { gpa: u64, size: u64 },
+    #[error("region at guest address {gpa:#x}: mmap offset {offset:#x} is not a multiple of the page size")]
+    Unaligned { gpa: u64, offset: u64 },
+    #[error("region at guest address {gpa:#x}: cannot fstat its file: {source}")]
+    Stat {
+        gpa: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("region at guest address {gpa:#x}: its fd is a {kind}, not a memory file")]
+    NotMemory { gpa: u64, kind: &'static str },
+    #[error("region at guest address {gpa:#x}: offset {offset:#x} + size {size:#x} reaches past the end of its file ({file_size:#x} bytes)")]
+    PastEnd {
+        gpa: u64,
+        offset: u64,
+        size: u64,
+        file_size: u64,
+    },
+    #[error("region at guest address {gpa:#x} + {size:#x} overlaps the region at {other:#x} + {other_size:#x} ({what} addresses)")]
+    Overlap {
+        gpa: u64,
+        size: u64,
+        other: u64,
+        other_size: u64,
+        what: &'static str,
+    },
+    #[error("{count} memory regions: at most {MAX_MEM_SLOTS} are supported")]
+    TooMany { count: usize },
+    #[error("region at guest address {gpa:#x} + {size:#x}: mmap failed: {source}")]
+    Map {
+        gpa: u64,
+        size: u64,
+        #[source]
+        source: vm_memory::mmap::MmapRegionError,
+    },
+    #[error("no region at guest address {gpa:#x} of size {size:#x} to remove")]
+    NoSuchRegion { gpa: u64, size: u64 },
+}
+
+/// One region as the frontend described it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RegionDesc {
+    pub gpa: u64,
+    pub size: u64,
+    pub user_addr: u64,
+    pub mmap_offset: u64,
+}
+
+/// A mapped region with its registration in the SIGBUS guard.
+#[derive(Debug)]
+struct Region {
+    desc: RegionDesc,
+    mapping: Arc<GuestRegionMmap<()>>,
+    _guard: Option<sigbus::Registration>,
+}
+
+/// One immutable view of guest memory. Replaced, never changed, when the frontend changes
+/// its table; requests in flight keep the view they were parsed against alive.
+#[derive(Debug)]
+pub(crate) struct GuestMemory {
+    mmap: GuestMemoryMmap<()>,
+    regions: Vec<Arc<Region>>,
+}
+
+impl GuestMemory {
+    /// No memory (before the first table).
+    pub(crate) fn empty() -> GuestMemory {
+        GuestMemory {
+            mmap: GuestMemoryMmap::default(),
+            regions: Vec::new(),
+        }
+    }
+
+    /// A view of memory built by a test (no frontend addresses, no SIGBUS guard).
+    #[cfg(test)]
+    pub(crate) fn from_mmap(mmap: GuestMemoryMmap<()>) -> GuestMemory {
+        GuestMemory {
+            mmap,
+            regions: Vec::new(),
+        }
+    }
+
+    /// The vm-memory view, for parsing requests.
+    pub(crate) fn mmap(&self) -> &GuestMemoryMmap<()> {
+        &self.mmap
+    }
+
+    /// How many regions are mapped.
+    pub(crate) fn len(&self) -> usize {
+        self.regions.len()
+    }
+
+    /// Whether there is no memory at all.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.mmap.num_regions() == 0
+    }
+
+    /// The guest physical address of the frontend virtual address `va` (vring addresses
+    /// arrive as frontend addresses).
+    pub(crate) fn va_to_gpa(&self, va: u64) -> Option<u64> {
+        self.regions.iter().find_map(|r| {
+            let d = r.desc;
+            (va >= d.user_addr && va - d.user_addr < d.size).then(|| d.gpa + (va - d.user_addr))
+        })
+    }
+
+    /// Host address of `len` bytes at guest address `gpa`, when they lie inside one region.
+    pub(crate) fn host_range(&self, gpa: u64, len: u64) -> Option<*mut u8> {
+        let region = self.mmap.find_region(GuestAddress(gpa))?;
+        let off = gpa - region.start_addr().raw_value();
+        if off.checked_add(len)? > region.len() {
+            return None;
+        }
+        region.get_host_address(MemoryRegionAddress(off)).ok()
+    }
+
+    /// A new view with `regions` replaced by the mapped `new` regions (SET_MEM_TABLE).
+    pub(crate) fn replaced(
+        new: Vec<(RegionDesc, File)>,
+        poison: &Arc<AtomicBool>,
+    ) -> Result<GuestMemory, MemError> {
+        if new.len() > MAX_MEM_SLOTS {
+            return Err(MemError::TooMany { count: new.len() });
+        }
+        let descs: Vec<RegionDesc> = new.iter().map(|(d, _)| *d).collect();
+        for (i, d) in descs.iter().enumerate() {
+            check_desc(d)?;
+            check_overlap(d, &descs[..i])?;
+        }
+        let mut regions = Vec::with_capacity(new.len());
+        for (d, f) in new {
+            regions.push(Arc::new(map_region(d, f, poison)?));
+        }
+        GuestMemory::build(regions)
+    }
+
+    /// A new view with one more region (ADD_MEM_REG).
+    pub(crate) fn with_region(
+        &self,
+        d: RegionDesc,
+        file: File,
+        poison: &Arc<AtomicBool>,
+    ) -> Result<GuestMemory, MemError> {
+        if self.regions.len() >= MAX_MEM_SLOTS {
+            return Err(MemError::TooMany {
+                count: self.regions.len() + 1,
+            });
+        }
+        check_desc(&d)?;
+        let descs: Vec<RegionDesc> = self.regions.iter().map(|r| r.desc).collect();
+        check_overlap(&d, &descs)?;
+        let mut regions = self.regions.clone();
+        regions.push(Arc::new(map_region(d, file, poison)?));
+        GuestMemory::build(regions)
+    }
+
+    /// A new view without the region at `gpa` of `size` bytes (REM_MEM_REG).
+    pub(crate) fn without_region(&self, gpa: u64, size: u64) -> Result<GuestMemory, MemError> {
+        let i = self
+            .regions
+            .iter()
+            .position(|r| r.desc.gpa == gpa && r.desc.size == size)
+            .ok_or(MemError::NoSuchRegion { gpa, size })?;
+        let mut regions = self.regions.clone();
+        regions.remove(i);
+        GuestMemory::build(regions)
+    }
+
+    fn build(mut regions: Vec<Arc<Region>>) -> Result<GuestMemory, MemError> {
+        regions.sort_by_key(|r| r.desc.gpa);
+        let mmap = if regions.is_empty() {
+            GuestMemoryMmap::default()
+        } else {
+            GuestMemoryMmap::from_arc_regions(regions.iter().map(|r| r.mapping.clone()).collect())
+                .map_err(|_| {
+                // check_overlap ran first; this is the same condition.
+                let d = regions[0].desc;
+                MemError::Overlap {
+                    gpa: d.gpa,
+                    size: d.size,
+                    other: d.gpa,
+                    other_size: d.size,
+                    what: "guest physical",
+                }
+            })?
+        };
+        Ok(GuestMemory { mmap, regions })
+    }
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(n).unwrap_or(4096).max(4096)
+}
+
+fn check_desc(d: &RegionDesc) -> Result<(), MemError> {
+    let bad = MemError::BadSize {
+        gpa: d.gpa,
+        size: d.size,
+    };
+    if d.size == 0
+        || d.gpa.checked_add(d.size).is_none()
+        || d.user_addr.checked_add(d.size).is_none()
+        || d.mmap_offset.checked_add(d.size).is_none()
+        || usize::try_from(d.size).is_err()
+        || i64::try_from(d.mmap_offset + d.size).is_err()
+    {
+        return Err(bad);
+    }
+    if !d.mmap_offset.is_multiple_of(page_size()) {
+        return Err(MemError::Unaligned {
+            gpa: d.gpa,
+            offset: d.mmap_offset,
+        });
+    }
+    Ok(())
+}
+
+fn check_overlap(d: &RegionDesc, others: &[RegionDesc]) -> Result<(), MemError> {
+    let overlaps = |a: u64, b: u64, len_a: u64, len_b: u64| a < b + len_b && b < a + len_a;
+    for o in others {
+        for (what, a, b) in [
+            ("guest physical", d.gpa, o.gpa),
+            ("frontend virtual", d.user_addr, o.user_addr),
+        ] {
+            if overlaps(a, b, d.size, o.size) {
+                return Err(MemError::Overlap {
+                    gpa: d.gpa,
+                    size: d.size,
+                    other: o.gpa,
+                    other_size: o.size,
+                    what,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Check the region's file and map it shared.
+fn map_region(d: RegionDesc, file: File, poison: &Arc<AtomicBool>) -> Result<Region, MemError> {
+    // SAFETY: fstat on a descriptor we own, into a zeroed stat buffer.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
+        return Err(MemError::Stat {
+            gpa: d.gpa,
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    match st.st_mode & libc::S_IFMT {
+        libc::S_IFREG => {
+            let file_size = u64::try_from(st.st_size).unwrap_or(0);
+            if d.mmap_offset + d.size > file_size {
+                return Err(MemError::PastEnd {
+                    gpa: d.gpa,
+                    offset: d.mmap_offset,
+                    size: d.size,
+                    file_size,
+                });
+            }
+        }
+        // DAX devices and the like: no size to check, and nothing to truncate.
+        libc::S_IFCHR => {}
+        other => {
+            let kind = match other {
+                libc::S_IFIFO => "pipe",
+                libc::S_IFSOCK => "socket",
+                libc::S_IFDIR => "directory",
+                libc::S_IFBLK => "block device",
+                libc::S_IFLNK => "symbolic link",
+                _ => "file of unknown type",
+            };
+            return Err(MemError::NotMemory { gpa: d.gpa, kind });
+        }
+    }
+    // check_desc made sure the size fits in usize.
+    let size = d.size as usize;
+    let map_err = |source| MemError::Map {
+        gpa: d.gpa,
+        size: d.size,
+        source,
+    };
+    let mapping = MmapRegionBuilder::new(size)
+        .with_file_offset(FileOffset::new(file, d.mmap_offset))
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+        .build()
+        .map_err(map_err)?;
+    let guard = sigbus::register(mapping.as_ptr(), mapping.size(), poison);
+    let region = GuestRegionMmap::new(mapping, GuestAddress(d.gpa)).ok_or(MemError::BadSize {
+        gpa: d.gpa,
+        size: d.size,
+    })?;
+    Ok(Region {
+        desc: d,
+        mapping: Arc::new(region),
+        _guard: guard,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memfd(len: u64) -> File {
+        // SAFETY: memfd_create with a static name; the fd is owned by the File below.
+        let fd = unsafe { libc::memfd_create(c"vblk-mem-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: fd was just created and is owned by nothing else.
+        let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        f.set_len(len).unwrap();
+        f
+    }
+
+    fn desc(gpa: u64, size: u64, user_addr: u64, mmap_offset: u64) -> RegionDesc {
+        RegionDesc {
+            gpa,
+            size,
+            user_addr,
+            mmap_offset,
+        }
+    }
+
+    #[test]
+    fn regions_are_checked_before_mapping() {
+        let p = Arc::new(AtomicBool::new(false));
+        let ok =
+            GuestMemory::replaced(vec![(desc(0, 1 << 20, 0x7000_0000, 0), memfd(1 << 20))], &p)
+                .unwrap();
+        assert_eq!(ok.va_to_gpa(0x7000_1000), Some(0x1000));
+        assert_eq!(ok.va_to_gpa(0x7010_0000), None);
+        assert!(ok.host_range(0xff000, 0x1000).is_some());
+        assert!(ok.host_range(0xff000, 0x1001).is_none());
+
+        let err =
+            |v: Vec<(RegionDesc, File)>| GuestMemory::replaced(v, &p).unwrap_err().to_string();
+        assert!(err(vec![(desc(0, 1 << 20, 0, 4096), memfd(1 << 20))]).contains("past the end"));
+        assert!(err(vec![(desc(0, 2 << 20, 0, 0), memfd(1 << 20))]).contains("past the end"));
+        assert!(err(vec![(desc(0, 4096, 0, 100), memfd(1 << 20))]).contains("page size"));
+        assert!(err(vec![(desc(0, 0, 0, 0), memfd(4096))]).contains("zero"));
+        assert!(err(vec![(desc(u64::MAX - 10, 4096, 0, 0), memfd(4096))]).contains("overflow"));
+        let overlap = err(vec![
+            (desc(0, 8192, 0, 0), memfd(8192)),
+            (desc(4096, 8192, 1 << 30, 0), memfd(8192)),
+        ]);
+        assert!(overlap.contains("guest physical"), "{overlap}");
+        let overlap = err(vec![
+            (desc(0, 8192, 0, 0), memfd(8192)),
+            (desc(1 << 30, 8192, 4096, 0), memfd(8192)),
+        ]);
+        assert!(overlap.contains("frontend virtual"), "{overlap}");
+        let (r, _w) = std::io::pipe().unwrap();
+        let pipe: File = std::os::fd::OwnedFd::from(r).into();
+        assert!(err(vec![(desc(0, 4096, 0, 0), pipe)]).contains("pipe"));
+
+        let two = ok
+            .with_region(desc(1 << 30, 4096, 0x9000_0000, 0), memfd(4096), &p)
+            .unwrap();
+        assert_eq!(two.len(), 2);
+        assert!(two
+            .with_region(desc(4096, 4096, 0xa000_0000, 0), memfd(4096), &p)
+            .is_err());
+        let back = two.without_region(1 << 30, 4096).unwrap();
+        assert_eq!(back.len(), 1);
+        assert!(back.without_region(1 << 30, 4096).is_err());
+    }
+}

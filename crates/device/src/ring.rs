@@ -1,0 +1,247 @@
+//! The device side of one split virtqueue (virtio 1.2 §2.7), read and written through host
+//! pointers resolved once per memory table.
+//!
+//! Each of the three parts (descriptor table, available ring, used ring) must lie inside one
+//! memory region, as QEMU's own vhost code requires; [`DeviceRing::bind`] checks that, and
+//! their alignment, and is redone whenever the frontend changes its memory table. The
+//! driver writes the available ring and reads the used ring concurrently: every access is a
+//! volatile or atomic load or store of a little-endian value, never a Rust reference.
+//!
+//! Publishing: the used elements of a pass are written, then the used index is stored once
+//! (Release), then the driver's wish to be notified is read (`used_event` with EVENT_IDX,
+//! the avail ring's NO_INTERRUPT flag without it), so the driver is interrupted at most once
+//! per batch and never when it asked not to be.
+
+use std::sync::atomic::{fence, AtomicU16, Ordering};
+
+use crate::memory::GuestMemory;
+
+/// Avail ring flag: the driver does not want interrupts (without EVENT_IDX).
+const AVAIL_F_NO_INTERRUPT: u16 = 1;
+/// Used ring flag: the device does not want kicks (without EVENT_IDX).
+const USED_F_NO_NOTIFY: u16 = 1;
+
+/// Guest physical addresses of a queue's three parts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub(crate) struct RingAddrs {
+    pub desc: u64,
+    pub avail: u64,
+    pub used: u64,
+}
+
+/// What is wrong with a ring's placement or its available index.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub(crate) enum RingError {
+    #[error("the {part} at guest address {addr:#x} is not {align}-byte aligned")]
+    Misaligned {
+        part: &'static str,
+        addr: u64,
+        align: u64,
+    },
+    #[error("the {part} at guest address {addr:#x} + {len} bytes is not inside one memory region")]
+    Outside {
+        part: &'static str,
+        addr: u64,
+        len: u64,
+    },
+    #[error("the available index {avail} is {ahead} entries ahead of the device's {next}, more than the queue size {size}")]
+    AvailTooFar {
+        avail: u16,
+        next: u16,
+        ahead: u16,
+        size: u16,
+    },
+}
+
+/// One queue's ring, device side.
+#[derive(Debug)]
+pub(crate) struct DeviceRing {
+    size: u16,
+    addrs: RingAddrs,
+    event_idx: bool,
+    avail: *mut u8,
+    used: *mut u8,
+    next_avail: u16,
+    next_used: u16,
+    /// Available index last read (entries up to it may be popped without another read).
+    seen_avail: u16,
+}
+
+// SAFETY: the pointers point into guest memory mappings that the owner keeps alive (the
+// worker holds the GuestMemory the ring was bound to); the ring is used by one thread at a
+// time (it moves between the control thread and a worker, never shared).
+unsafe impl Send for DeviceRing {}
+
+impl DeviceRing {
+    /// A ring of `size` entries at `addrs`, starting at `base` (the next available index
+    /// to process, from SET_VRING_BASE), bound to `mem`.
+    pub(crate) fn new(
+        mem: &GuestMemory,
+        size: u16,
+        addrs: RingAddrs,
+        event_idx: bool,
+        base: u16,
+    ) -> Result<DeviceRing, RingError> {
+        let mut ring = DeviceRing {
+            size,
+            addrs,
+            event_idx,
+            avail: std::ptr::null_mut(),
+            used: std::ptr::null_mut(),
+            next_avail: base,
+            next_used: base,
+            seen_avail: base,
+        };
+        ring.bind(mem)?;
+        // The used index carries on from what is in the ring (what this or an earlier
+        // device last published), as libvhost-user does.
+        ring.next_used = u16::from_le(ring.u16_at(ring.used, 2).load(Ordering::Acquire));
+        Ok(ring)
+    }
+
+    /// Resolve the ring's parts in `mem` (a new memory table).
+    pub(crate) fn bind(&mut self, mem: &GuestMemory) -> Result<(), RingError> {
+        let n = u64::from(self.size);
+        let parts = [
+            ("descriptor table", self.addrs.desc, 16, 16 * n),
+            ("available ring", self.addrs.avail, 2, 6 + 2 * n),
+            ("used ring", self.addrs.used, 4, 6 + 8 * n),
+        ];
+        let mut host = [std::ptr::null_mut(); 3];
+        for (i, (part, addr, align, len)) in parts.into_iter().enumerate() {
+            if !addr.is_multiple_of(align) {
+                return Err(RingError::Misaligned { part, addr, align });
+            }
+            host[i] = mem
+                .host_range(addr, len)
+                .ok_or(RingError::Outside { part, addr, len })?;
+        }
+        self.avail = host[1];
+        self.used = host[2];
+        Ok(())
+    }
+
+    /// Entries in the ring.
+    pub(crate) fn size(&self) -> u16 {
+        self.size
+    }
+
+    /// Guest address of the descriptor table.
+    pub(crate) fn desc_table(&self) -> u64 {
+        self.addrs.desc
+    }
+
+    /// The next available index the device will process (GET_VRING_BASE).
+    pub(crate) fn next_avail(&self) -> u16 {
+        self.next_avail
+    }
+
+    fn u16_at(&self, base: *mut u8, off: usize) -> &AtomicU16 {
+        // SAFETY: `bind` checked that base..base+len of this part lies inside one mapped
+        // region and that the part is at least 2-byte aligned; every `off` used below is
+        // even and inside that length. An AtomicU16 over shared memory is how the ring is
+        // meant to be accessed; the mapping outlives `self` (see the Send impl).
+        unsafe { AtomicU16::from_ptr(base.add(off).cast()) }
+    }
+
+    fn avail_idx(&self, order: Ordering) -> u16 {
+        u16::from_le(self.u16_at(self.avail, 2).load(order))
+    }
+
+    /// Read the available index; the number of chains waiting, or an error when the driver
+    /// claims more than the queue can hold.
+    pub(crate) fn refresh(&mut self) -> Result<u16, RingError> {
+        let avail = self.avail_idx(Ordering::Acquire);
+        let ahead = avail.wrapping_sub(self.next_avail);
+        if ahead > self.size {
+            return Err(RingError::AvailTooFar {
+                avail,
+                next: self.next_avail,
+                ahead,
+                size: self.size,
+            });
+        }
+        self.seen_avail = avail;
+        Ok(ahead)
+    }
+
+    /// The next available head, if the last [`refresh`](Self::refresh) saw one.
+    pub(crate) fn pop(&mut self) -> Option<u16> {
+        if self.next_avail == self.seen_avail {
+            return None;
+        }
+        let slot = usize::from(self.next_avail % self.size);
+        let head = u16::from_le(
+            self.u16_at(self.avail, 4 + 2 * slot)
+                .load(Ordering::Relaxed),
+        );
+        self.next_avail = self.next_avail.wrapping_add(1);
+        Some(head)
+    }
+
+    /// Give back the head just popped (it will be the next one popped).
+    pub(crate) fn unpop(&mut self) {
+        self.next_avail = self.next_avail.wrapping_sub(1);
+    }
+
+    /// Ask the driver for kicks (`enable`) or not. When enabling, returns whether chains
+    /// arrived meanwhile (then the caller must not sleep).
+    pub(crate) fn set_kicks(&mut self, enable: bool) -> bool {
+        if self.event_idx {
+            if enable {
+                let at = 4 + 8 * usize::from(self.size);
+                self.u16_at(self.used, at)
+                    .store(self.next_avail.to_le(), Ordering::Relaxed);
+            }
+            // With EVENT_IDX the driver kicks only when it passes avail_event, which we
+            // leave behind while polling: nothing to write to stop kicks.
+        } else {
+            let flags = if enable { 0 } else { USED_F_NO_NOTIFY };
+            self.u16_at(self.used, 0)
+                .store(flags.to_le(), Ordering::Relaxed);
+        }
+        if !enable {
+            return false;
+        }
+        // Order the store above before reading the index (pairs with the driver's fence
+        // between writing avail idx and reading our flags / avail_event).
+        fence(Ordering::SeqCst);
+        self.avail_idx(Ordering::Relaxed) != self.next_avail
+    }
+
+    /// Write `done` (head, used length) to the used ring, store the used index once, and
+    /// say whether the driver wants a notification.
+    pub(crate) fn publish(&mut self, done: &[(u16, u32)]) -> bool {
+        if done.is_empty() {
+            return false;
+        }
+        let old = self.next_used;
+        let mut idx = old;
+        for &(head, len) in done {
+            let at = 4 + 8 * usize::from(idx % self.size);
+            // SAFETY: `at + 8 <= 4 + 8 * size`, inside the used ring checked by `bind`,
+            // which is 4-byte aligned; volatile stores into shared memory.
+            unsafe {
+                let p = self.used.add(at).cast::<u32>();
+                p.write_volatile(u32::from(head).to_le());
+                p.add(1).write_volatile(len.to_le());
+            }
+            idx = idx.wrapping_add(1);
+        }
+        // Release: the elements above are visible no later than the index covering them.
+        self.u16_at(self.used, 2)
+            .store(idx.to_le(), Ordering::Release);
+        self.next_used = idx;
+        // The index store must be ordered before reading the driver's notification request
+        // (pairs with the driver's fence after writing it).
+        fence(Ordering::SeqCst);
+        if self.event_idx {
+            let at = 4 + 2 * usize::from(self.size);
+            let event = u16::from_le(self.u16_at(self.avail, at).load(Ordering::Relaxed));
+            idx.wrapping_sub(event).wrapping_sub(1) < idx.wrapping_sub(old)
+        } else {
+            let flags = u16::from_le(self.u16_at(self.avail, 0).load(Ordering::Relaxed));
+            flags & AVAIL_F_NO_INTERRUPT == 0
+        }
+    }
+}

@@ -1,0 +1,621 @@
+//! One frontend connection: the vhost-user control plane of the device.
+//!
+//! The `vhost` crate frames and decodes messages ([`vhost::vhost_user::BackendReqHandler`]);
+//! this module is the handler. Each message is checked at the top, before any state
+//! changes, and refused with a message that says what was expected and what came: a queue
+//! index past the queues offered, a size that is zero, not a power of two or above the
+//! maximum, ring addresses outside guest memory, features that were not offered, memory
+//! regions that overlap or reach past their file, more regions than GET_MAX_MEM_SLOTS said.
+//! A refusal ends the connection (the daemon then serves the next frontend), because a
+//! frontend that sent one cannot be trusted to agree with the device about any state.
+//!
+//! Rings: a ring starts when it has a size, addresses, memory and a kick fd
+//! (SET_VRING_KICK), and is handed to its worker; it stops on GET_VRING_BASE, which waits
+//! for its requests to finish and answers the next available index. The eventfds the
+//! frontend passes are made non-blocking: a saturated call eventfd or a full pipe never
+//! blocks a worker.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use log::{debug, info, warn};
+use proto::config::WRITEBACK_OFFSET;
+use proto::wire::feature;
+use proto::RingInfo;
+use storage::Backend;
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags, VhostUserInflight,
+    VhostUserLog, VhostUserMemoryRegion, VhostUserProtocolFeatures, VhostUserShMemConfig,
+    VhostUserSharedMsg, VhostUserSingleMemoryRegion, VhostUserVirtioFeatures,
+    VhostUserVringAddrFlags, VhostUserVringState,
+};
+use vhost::vhost_user::{
+    Error as VuError, GpuBackend, Result as VuResult, VhostUserBackendReqHandlerMut,
+};
+use vhost::VhostUserMemoryRegionBase;
+
+use crate::blk::Blk;
+use crate::config::DeviceConfig;
+use crate::memory::{GuestMemory, RegionDesc, MAX_MEM_SLOTS};
+use crate::ring::{DeviceRing, RingAddrs};
+use crate::worker::{indirect_acked, Command, QueueStart, QueueStats, WorkerHandle, WorkerSetup};
+
+/// Most requests one worker's engine holds at once; chains beyond wait in their rings.
+const MAX_ENGINE_DEPTH: usize = 4096;
+
+/// A refusal: logged with its reason, then returned to the `vhost` crate (which NACKs it
+/// when REPLY_ACK was negotiated) and ends the connection.
+fn refuse(msg: String) -> VuError {
+    warn!("frontend request refused: {msg}");
+    VuError::ReqHandlerError(io::Error::other(msg))
+}
+
+/// What the frontend has told us about one vring.
+#[derive(Debug, Default)]
+struct Vring {
+    size: Option<u16>,
+    addrs: Option<RingAddrs>,
+    base: u16,
+    /// Fds held until the ring starts (then they belong to the worker).
+    kick: Option<File>,
+    call: Option<File>,
+    err: Option<File>,
+    enabled: bool,
+    started: bool,
+}
+
+/// The device's side of one frontend connection.
+pub(crate) struct Session {
+    // Dropped (joined) first: workers hold requests that point into guest memory.
+    workers: Vec<WorkerHandle>,
+    blk: Arc<Blk>,
+    threads: usize,
+    owner: bool,
+    features_set: bool,
+    acked_protocol: u64,
+    mem: Arc<GuestMemory>,
+    poison: Arc<AtomicBool>,
+    vrings: Vec<Vring>,
+    stats: Vec<Arc<QueueStats>>,
+}
+
+impl Session {
+    /// A session serving `disk` as `config` says on the connection `conn` (a clone of the
+    /// stream the messages arrive on, used to end it from a worker).
+    pub(crate) fn new(
+        config: &DeviceConfig,
+        disk: &Arc<Backend>,
+        conn: UnixStream,
+    ) -> Result<Session, storage::Error> {
+        let blk = Arc::new(Blk::new(config, disk));
+        let num_queues = usize::from(config.num_queues);
+        let threads = config.threads.clamp(1, num_queues);
+        let poison = Arc::new(AtomicBool::new(false));
+        let conn = Arc::new(conn);
+        let mut workers = Vec::with_capacity(threads);
+        for t in 0..threads {
+            let owned = (0..num_queues).filter(|q| q % threads == t).count();
+            let depth = (owned * usize::from(config.queue_size)).clamp(1, MAX_ENGINE_DEPTH);
+            let engine = disk.engine(config.engine, depth as u32)?;
+            let conn = conn.clone();
+            let setup = WorkerSetup {
+                id: t,
+                blk: blk.clone(),
+                engine,
+                depth,
+                poll_us: config.poll_us,
+                cpu: (!config.cpus.is_empty()).then(|| config.cpus[t % config.cpus.len()]),
+                submit_batch: config.effective_submit_batch(),
+                poison: poison.clone(),
+                kill: Box::new(move || {
+                    let _ = conn.shutdown(std::net::Shutdown::Both);
+                }),
+            };
+            workers.push(WorkerHandle::spawn(setup).map_err(|source| {
+                storage::Error::EngineSetup {
+                    engine: "worker thread",
+                    depth: depth as u32,
+                    source,
+                }
+            })?);
+        }
+        Ok(Session {
+            blk,
+            threads,
+            owner: false,
+            features_set: false,
+            acked_protocol: 0,
+            mem: Arc::new(GuestMemory::empty()),
+            poison,
+            vrings: (0..num_queues).map(|_| Vring::default()).collect(),
+            workers,
+            stats: (0..num_queues).map(|_| Arc::default()).collect(),
+        })
+    }
+
+    /// Whether the SIGBUS guard caught the frontend truncating guest memory.
+    pub(crate) fn poisoned(&self) -> bool {
+        self.poison.load(Ordering::SeqCst)
+    }
+
+    /// Per-queue counters: (completed, rejected, failed), for queues that saw requests.
+    pub(crate) fn counters(&self) -> Vec<(usize, u64, u64, u64)> {
+        self.stats
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                (
+                    i,
+                    s.completed.load(Ordering::Relaxed),
+                    s.rejected.load(Ordering::Relaxed),
+                    s.failed.load(Ordering::Relaxed),
+                )
+            })
+            .filter(|&(_, c, r, f)| c + r + f > 0)
+            .collect()
+    }
+
+    fn worker(&self, queue: usize) -> &WorkerHandle {
+        &self.workers[queue % self.threads]
+    }
+
+    fn vring(&mut self, index: u32, what: &str) -> VuResult<&mut Vring> {
+        let n = self.vrings.len();
+        self.vrings.get_mut(index as usize).ok_or_else(|| {
+            refuse(format!(
+                "{what}: queue {index} does not exist (the device has {n} queues)"
+            ))
+        })
+    }
+
+    fn protocol_acked(&self) -> bool {
+        self.features_set
+            && self.blk.acked.load(Ordering::Relaxed)
+                & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+                != 0
+    }
+
+    /// Start ring `index` if everything it needs has arrived.
+    fn try_start(&mut self, index: usize) -> VuResult<()> {
+        let protocol = self.protocol_acked();
+        let event_idx = self.blk.acked(feature::RING_EVENT_IDX);
+        let indirect = indirect_acked(&self.blk);
+        let v = &mut self.vrings[index];
+        if v.started || v.kick.is_none() {
+            return Ok(());
+        }
+        let (Some(size), Some(addrs)) = (v.size, v.addrs) else {
+            return Err(refuse(format!(
+                "queue {index}: kick fd before its size and addresses (SET_VRING_NUM, SET_VRING_ADDR)"
+            )));
+        };
+        if self.mem.is_empty() {
+            return Err(refuse(format!(
+                "queue {index}: kick fd before any memory table"
+            )));
+        }
+        let ring = DeviceRing::new(&self.mem, size, addrs, event_idx, v.base)
+            .map_err(|e| refuse(format!("queue {index} of size {size}: {e}")))?;
+        let info = RingInfo {
+            desc_table: vm_memory::GuestAddress(ring.desc_table()),
+            size,
+            indirect,
+            max_indirect: RingInfo::max_indirect_for(size, self.blk.base_limits.seg_max),
+        };
+        let start = QueueStart {
+            index,
+            ring,
+            info,
+            kick: v.kick.take().expect("checked above"),
+            call: v.call.take(),
+            err: v.err.take(),
+            // Without VHOST_USER_F_PROTOCOL_FEATURES a ring starts enabled.
+            enabled: v.enabled || !protocol,
+            stats: self.stats[index].clone(),
+        };
+        v.started = true;
+        debug!("queue {index}: started (size {size}, base {})", v.base);
+        self.worker(index).send(Command::Start(Box::new(start)));
+        Ok(())
+    }
+
+    /// Stop ring `index` if it runs; the next available index.
+    fn stop(&mut self, index: usize) -> u16 {
+        let v = &mut self.vrings[index];
+        if !v.started {
+            return v.base;
+        }
+        v.started = false;
+        let next = self.workers[index % self.threads]
+            .ask(|reply| Command::Stop {
+                queue: index,
+                reply,
+            })
+            .unwrap_or(self.vrings[index].base);
+        self.vrings[index].base = next;
+        next
+    }
+
+    /// Give every worker the current memory view and wait until they use it.
+    fn publish_memory(&mut self, mem: GuestMemory) {
+        self.mem = Arc::new(mem);
+        for w in &self.workers {
+            let mem = self.mem.clone();
+            let _ = w.ask(|reply| Command::Memory { mem, reply });
+        }
+    }
+
+    fn set_nonblocking(f: &File, what: &str) -> VuResult<()> {
+        let fd = f.as_raw_fd();
+        // SAFETY: fcntl on a descriptor we own; F_GETFL/F_SETFL take no pointers.
+        let ok = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(refuse(format!(
+                "{what}: cannot make the fd non-blocking: {}",
+                io::Error::last_os_error()
+            )))
+        }
+    }
+}
+
+impl VhostUserBackendReqHandlerMut for Session {
+    fn set_owner(&mut self) -> VuResult<()> {
+        if self.owner {
+            return Err(refuse("SET_OWNER: the session already has an owner".into()));
+        }
+        self.owner = true;
+        Ok(())
+    }
+
+    fn reset_owner(&mut self) -> VuResult<()> {
+        for i in 0..self.vrings.len() {
+            self.stop(i);
+        }
+        self.vrings.iter_mut().for_each(|v| *v = Vring::default());
+        self.owner = false;
+        self.features_set = false;
+        self.blk.acked.store(0, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn reset_device(&mut self) -> VuResult<()> {
+        self.reset_owner()
+    }
+
+    fn get_features(&mut self) -> VuResult<u64> {
+        Ok(self.blk.features)
+    }
+
+    fn set_features(&mut self, features: u64) -> VuResult<()> {
+        let unknown = features & !self.blk.features;
+        if unknown != 0 {
+            return Err(refuse(format!(
+                "SET_FEATURES {features:#x}: bits {unknown:#x} were not offered ({:#x})",
+                self.blk.features
+            )));
+        }
+        if self.vrings.iter().any(|v| v.started) && self.features_set {
+            let old = self.blk.acked.load(Ordering::Relaxed);
+            let ring_bits =
+                feature::bit(feature::RING_EVENT_IDX) | feature::bit(feature::RING_INDIRECT_DESC);
+            if (old ^ features) & ring_bits != 0 {
+                return Err(refuse(format!(
+                    "SET_FEATURES {features:#x}: ring features changed from {old:#x} while rings run"
+                )));
+            }
+        }
+        debug!("driver acked features {features:#x}");
+        self.blk.acked.store(features, Ordering::Relaxed);
+        self.features_set = true;
+        Ok(())
+    }
+
+    fn set_mem_table(
+        &mut self,
+        regions: &[VhostUserMemoryRegion],
+        files: Vec<File>,
+        _postcopy: Option<bool>,
+    ) -> VuResult<Option<Vec<VhostUserMemoryRegionBase>>> {
+        let new = regions
+            .iter()
+            .map(region_desc)
+            .zip(files)
+            .collect::<Vec<_>>();
+        let mem = GuestMemory::replaced(new, &self.poison)
+            .map_err(|e| refuse(format!("SET_MEM_TABLE: {e}")))?;
+        info!("memory table: {} regions", mem.len());
+        self.publish_memory(mem);
+        Ok(None)
+    }
+
+    fn set_vring_num(&mut self, index: u32, num: u32) -> VuResult<()> {
+        let max = self.blk.max_queue_size;
+        let v = self.vring(index, "SET_VRING_NUM")?;
+        if v.started {
+            return Err(refuse(format!("SET_VRING_NUM: queue {index} is running")));
+        }
+        if num == 0 || !num.is_power_of_two() || num > u32::from(max) {
+            return Err(refuse(format!(
+                "SET_VRING_NUM: queue {index} size {num} must be a power of two between 1 and {max}"
+            )));
+        }
+        v.size = Some(num as u16);
+        Ok(())
+    }
+
+    fn set_vring_addr(
+        &mut self,
+        index: u32,
+        _flags: VhostUserVringAddrFlags,
+        descriptor: u64,
+        used: u64,
+        available: u64,
+        _log: u64,
+    ) -> VuResult<()> {
+        let mem = self.mem.clone();
+        let v = self.vring(index, "SET_VRING_ADDR")?;
+        if v.started {
+            return Err(refuse(format!("SET_VRING_ADDR: queue {index} is running")));
+        }
+        let gpa = |va: u64, part: &str| {
+            mem.va_to_gpa(va).ok_or_else(|| {
+                refuse(format!(
+                    "SET_VRING_ADDR: queue {index}'s {part} at frontend address {va:#x} is in no memory region"
+                ))
+            })
+        };
+        v.addrs = Some(RingAddrs {
+            desc: gpa(descriptor, "descriptor table")?,
+            avail: gpa(available, "available ring")?,
+            used: gpa(used, "used ring")?,
+        });
+        Ok(())
+    }
+
+    fn set_vring_base(&mut self, index: u32, base: u32) -> VuResult<()> {
+        let v = self.vring(index, "SET_VRING_BASE")?;
+        if v.started {
+            return Err(refuse(format!("SET_VRING_BASE: queue {index} is running")));
+        }
+        let base = u16::try_from(base).map_err(|_| {
+            refuse(format!(
+                "SET_VRING_BASE: queue {index} base {base:#x} does not fit a split ring's 16-bit index"
+            ))
+        })?;
+        v.base = base;
+        Ok(())
+    }
+
+    fn get_vring_base(&mut self, index: u32) -> VuResult<VhostUserVringState> {
+        self.vring(index, "GET_VRING_BASE")?;
+        let next = self.stop(index as usize);
+        let v = &mut self.vrings[index as usize];
+        v.kick = None;
+        v.call = None;
+        v.err = None;
+        Ok(VhostUserVringState::new(index, u32::from(next)))
+    }
+
+    fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        let index32 = u32::from(index);
+        let v = self.vring(index32, "SET_VRING_KICK")?;
+        let Some(fd) = fd else {
+            return Err(refuse(format!(
+                "SET_VRING_KICK: queue {index} without a kick fd (polling mode) is not supported"
+            )));
+        };
+        Self::set_nonblocking(&fd, "SET_VRING_KICK")?;
+        if v.started {
+            self.worker(usize::from(index)).send(Command::SetKick {
+                queue: usize::from(index),
+                fd,
+            });
+            return Ok(());
+        }
+        v.kick = Some(fd);
+        let r = self.try_start(usize::from(index));
+        if r.is_err() {
+            self.vrings[usize::from(index)].kick = None;
+        }
+        r
+    }
+
+    fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        let v = self.vring(u32::from(index), "SET_VRING_CALL")?;
+        if let Some(f) = &fd {
+            Self::set_nonblocking(f, "SET_VRING_CALL")?;
+        }
+        if v.started {
+            let queue = usize::from(index);
+            self.worker(queue).send(Command::SetCall { queue, fd });
+        } else {
+            v.call = fd;
+        }
+        Ok(())
+    }
+
+    fn set_vring_err(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        let v = self.vring(u32::from(index), "SET_VRING_ERR")?;
+        if let Some(f) = &fd {
+            Self::set_nonblocking(f, "SET_VRING_ERR")?;
+        }
+        if v.started {
+            let queue = usize::from(index);
+            self.worker(queue).send(Command::SetErr { queue, fd });
+        } else {
+            v.err = fd;
+        }
+        Ok(())
+    }
+
+    fn get_protocol_features(&mut self) -> VuResult<VhostUserProtocolFeatures> {
+        Ok(offered_protocol())
+    }
+
+    fn set_protocol_features(&mut self, features: u64) -> VuResult<()> {
+        let offered = offered_protocol().bits();
+        if features & !offered != 0 {
+            return Err(refuse(format!(
+                "SET_PROTOCOL_FEATURES {features:#x}: bits {:#x} were not offered ({offered:#x})",
+                features & !offered
+            )));
+        }
+        self.acked_protocol = features;
+        Ok(())
+    }
+
+    fn get_queue_num(&mut self) -> VuResult<u64> {
+        Ok(self.vrings.len() as u64)
+    }
+
+    fn set_vring_enable(&mut self, index: u32, enable: bool) -> VuResult<()> {
+        let v = self.vring(index, "SET_VRING_ENABLE")?;
+        v.enabled = enable;
+        if v.started {
+            let queue = index as usize;
+            self.worker(queue).send(Command::Enable {
+                queue,
+                enabled: enable,
+            });
+        }
+        Ok(())
+    }
+
+    fn get_config(
+        &mut self,
+        offset: u32,
+        size: u32,
+        _flags: VhostUserConfigFlags,
+    ) -> VuResult<Vec<u8>> {
+        self.blk.config_space().read(offset, size).ok_or_else(|| {
+            refuse(format!(
+                "GET_CONFIG: offset {offset} size {size} is out of range"
+            ))
+        })
+    }
+
+    fn set_config(
+        &mut self,
+        offset: u32,
+        buf: &[u8],
+        _flags: VhostUserConfigFlags,
+    ) -> VuResult<()> {
+        if offset as usize == WRITEBACK_OFFSET && buf.len() == 1 {
+            if !self.blk.acked(feature::CONFIG_WCE) {
+                warn!("driver wrote writeback without negotiating CONFIG_WCE; ignored");
+                return Ok(());
+            }
+            let wb = buf[0] != 0;
+            info!(
+                "driver set the cache to {}",
+                if wb { "writeback" } else { "writethrough" }
+            );
+            self.blk.writeback.store(wb, Ordering::Relaxed);
+            return Ok(());
+        }
+        Err(refuse(format!(
+            "SET_CONFIG of {} bytes at offset {offset}: only the writeback byte (offset {WRITEBACK_OFFSET}) is writable",
+            buf.len()
+        )))
+    }
+
+    fn set_gpu_socket(&mut self, _gpu: GpuBackend) -> VuResult<()> {
+        Err(refuse("GPU_SET_SOCKET: not a GPU device".into()))
+    }
+
+    fn get_shared_object(&mut self, _uuid: VhostUserSharedMsg) -> VuResult<File> {
+        Err(refuse("GET_SHARED_OBJECT: not supported".into()))
+    }
+
+    fn get_inflight_fd(
+        &mut self,
+        _inflight: &VhostUserInflight,
+    ) -> VuResult<(VhostUserInflight, File)> {
+        Err(refuse(
+            "GET_INFLIGHT_FD: inflight tracking was not offered".into(),
+        ))
+    }
+
+    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> VuResult<()> {
+        Err(refuse(
+            "SET_INFLIGHT_FD: inflight tracking was not offered".into(),
+        ))
+    }
+
+    fn get_max_mem_slots(&mut self) -> VuResult<u64> {
+        Ok(MAX_MEM_SLOTS as u64)
+    }
+
+    fn add_mem_region(
+        &mut self,
+        region: &VhostUserSingleMemoryRegion,
+        fd: File,
+        _postcopy: Option<bool>,
+    ) -> VuResult<Option<VhostUserMemoryRegionBase>> {
+        let d = region_desc(region);
+        let mem = self
+            .mem
+            .with_region(d, fd, &self.poison)
+            .map_err(|e| refuse(format!("ADD_MEM_REG: {e}")))?;
+        debug!("memory region added at {:#x} + {:#x}", d.gpa, d.size);
+        self.publish_memory(mem);
+        Ok(None)
+    }
+
+    fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VuResult<()> {
+        let d = region_desc(region);
+        let mem = self
+            .mem
+            .without_region(d.gpa, d.size)
+            .map_err(|e| refuse(format!("REM_MEM_REG: {e}")))?;
+        self.publish_memory(mem);
+        Ok(())
+    }
+
+    fn set_device_state_fd(
+        &mut self,
+        _direction: VhostTransferStateDirection,
+        _phase: VhostTransferStatePhase,
+        _fd: File,
+    ) -> VuResult<Option<File>> {
+        Err(refuse("SET_DEVICE_STATE_FD: not supported".into()))
+    }
+
+    fn check_device_state(&mut self) -> VuResult<()> {
+        Err(refuse("CHECK_DEVICE_STATE: not supported".into()))
+    }
+
+    fn get_shmem_config(&mut self) -> VuResult<VhostUserShMemConfig> {
+        Err(refuse("GET_SHMEM_CONFIG: not supported".into()))
+    }
+
+    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VuResult<()> {
+        Err(refuse("SET_LOG_BASE: dirty logging was not offered".into()))
+    }
+}
+
+/// The vhost-user protocol features the device offers.
+fn offered_protocol() -> VhostUserProtocolFeatures {
+    VhostUserProtocolFeatures::MQ
+        | VhostUserProtocolFeatures::REPLY_ACK
+        | VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+}
+
+fn region_desc(r: &VhostUserMemoryRegion) -> RegionDesc {
+    RegionDesc {
+        gpa: r.guest_phys_addr,
+        size: r.memory_size,
+        user_addr: r.user_addr,
+        mmap_offset: r.mmap_offset,
+    }
+}

@@ -1,0 +1,453 @@
+//! The ring around the requests: notification suppression, broken rings, engine
+//! backpressure, stopping a ring with requests in flight, new memory tables, and the
+//! configuration space.
+
+use std::collections::VecDeque;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use storage::{Completion, Full, Op};
+use vhost::vhost_user::message::VhostUserConfigFlags;
+use vhost::vhost_user::VhostUserBackendReqHandlerMut;
+
+use super::*;
+use crate::session::Session;
+
+fn notifications(call: &EventFd) -> u64 {
+    call.read().unwrap_or(0)
+}
+
+/// Publish `n` flush requests (heads 0, 2, 4, ...) in one go and run the worker.
+fn flush_batch(rig: &mut Rig, n: u16) {
+    for r in 0..n {
+        let hdr = HDR + 0x20 * u64::from(r);
+        rig.write_header(hdr, req_type::FLUSH, 0);
+        rig.store_desc(2 * r, d(hdr, 16, F_NEXT, 2 * r + 1));
+        rig.store_desc(2 * r + 1, d(STATUS + u64::from(r), 1, F_WRITE, 0));
+        rig.set_avail(rig.next_avail, 2 * r);
+        rig.next_avail = rig.next_avail.wrapping_add(1);
+    }
+    rig.set_avail_idx(rig.next_avail);
+    let target = rig.used_idx().wrapping_add(n);
+    rig.worker.settle();
+    assert_eq!(rig.used_idx(), target, "batch of {n} not completed");
+}
+
+/// Publish `n` one-sector reads (heads 0, 3, 6, ...; sector r, data at DATA + 512 r,
+/// status at STATUS + r).
+fn read_batch(rig: &mut Rig, n: u16) {
+    for r in 0..n {
+        let base = r * 3;
+        let hdr = HDR + 0x20 * u64::from(r);
+        rig.write_header(hdr, req_type::IN, u64::from(r));
+        rig.store_desc(base, d(hdr, 16, F_NEXT, base + 1));
+        let data = DATA + 512 * u64::from(r);
+        rig.store_desc(base + 1, d(data, 512, F_WRITE | F_NEXT, base + 2));
+        rig.store_desc(base + 2, d(STATUS + u64::from(r), 1, F_WRITE, 0));
+        rig.mem
+            .write_obj(0xEEu8, GuestAddress(STATUS + u64::from(r)))
+            .unwrap();
+        rig.set_avail(rig.next_avail, base);
+        rig.next_avail = rig.next_avail.wrapping_add(1);
+    }
+    rig.set_avail_idx(rig.next_avail);
+}
+
+/// Check that reads 0..n of [`read_batch`] completed with the disk's bytes.
+fn check_reads(rig: &Rig, n: u16) {
+    let disk = rig.disk();
+    for r in 0..u64::from(n) {
+        let s: u8 = rig.mem.read_obj(GuestAddress(STATUS + r)).unwrap();
+        assert_eq!(s, status::OK, "read {r}");
+        let mut got = vec![0u8; 512];
+        rig.mem
+            .read_slice(&mut got, GuestAddress(DATA + 512 * r))
+            .unwrap();
+        assert_eq!(got, disk[(r * 512) as usize..(r * 512 + 512) as usize]);
+    }
+}
+
+#[test]
+fn head_outside_the_queue_stops_the_queue() {
+    let mut rig = Rig::new(false, EngineKind::Sync);
+    rig.write_header(HDR, req_type::FLUSH, 0);
+    assert_eq!(rig.submit(&flush_chain(), QSIZE + 3), None);
+    assert!(rig.broken());
+    assert_eq!(rig.err.read().unwrap_or(0), 1);
+    // A later valid request on the stopped queue is not served.
+    assert_eq!(rig.submit(&flush_chain(), 0), None);
+    assert_eq!(rig.stop(), 0, "the bad head is the next to process");
+}
+
+#[test]
+fn avail_index_running_ahead_stops_the_queue() {
+    let mut rig = Rig::new(false, EngineKind::Sync);
+    rig.write_header(HDR, req_type::FLUSH, 0);
+    rig.next_avail = QSIZE + 5;
+    assert_eq!(rig.submit(&flush_chain(), 0), None);
+    assert!(rig.broken());
+}
+
+#[test]
+fn many_requests_in_one_batch_all_complete() {
+    let mut rig = Rig::new(false, EngineKind::IoUring);
+    read_batch(&mut rig, 5);
+    rig.worker.settle();
+    assert_eq!(rig.used_idx(), 5);
+    check_reads(&rig, 5);
+}
+
+// ---- requests in flight ----
+
+/// An engine that holds operations back until the test releases them, then runs them on
+/// a real engine: a slow disk, with the test deciding when each operation ends.
+struct HoldEngine {
+    inner: Box<dyn Engine>,
+    held: VecDeque<(u64, Op)>,
+    release: Arc<AtomicUsize>,
+    depth: usize,
+    in_flight: usize,
+}
+
+impl Engine for HoldEngine {
+    fn name(&self) -> &'static str {
+        "hold"
+    }
+
+    unsafe fn push(&mut self, token: u64, op: Op) -> Result<(), Full> {
+        if self.in_flight >= self.depth {
+            return Err(Full);
+        }
+        self.in_flight += 1;
+        self.held.push_back((token, op));
+        Ok(())
+    }
+
+    fn submit(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    fn reap(&mut self, f: &mut dyn FnMut(Completion)) -> usize {
+        let mut n = 0;
+        while self.release.load(Ordering::SeqCst) > 0 {
+            let Some((token, op)) = self.held.pop_front() else {
+                break;
+            };
+            self.release.fetch_sub(1, Ordering::SeqCst);
+            // SAFETY: forwarded from our own push contract, which holds until reaped.
+            unsafe { self.inner.push(token, op) }.unwrap();
+            self.inner.submit().unwrap();
+            let mut got = 0;
+            while got == 0 {
+                self.inner.wait().unwrap();
+                got = self.inner.reap(&mut |c| f(c));
+            }
+            n += got;
+        }
+        self.in_flight -= n;
+        n
+    }
+
+    fn wait(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    fn notify_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+}
+
+/// A rig whose engine holds operations until `release` allows them.
+fn hold_rig(depth: usize) -> (Rig, Arc<AtomicUsize>) {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let pattern: Vec<u8> = (0..DISK_BYTES).map(|i| (i % 251) as u8).collect();
+    std::fs::write(file.path(), &pattern).unwrap();
+    let config = DeviceConfig {
+        disk: DiskSpec::File(file.path().to_path_buf()),
+        queue_size: QSIZE,
+        poll_us: 0,
+        ..Default::default()
+    };
+    let disk = Arc::new(Backend::open(&config.disk, &OpenOptions::default()).unwrap());
+    let release = Arc::new(AtomicUsize::new(0));
+    let engine = Box::new(HoldEngine {
+        inner: disk.engine(EngineKind::Sync, 64).unwrap(),
+        held: VecDeque::new(),
+        release: release.clone(),
+        depth,
+        in_flight: 0,
+    });
+    let rig = Rig::with_engine(&config, &disk, engine, depth, all_features(), file);
+    (rig, release)
+}
+
+fn step(rig: &mut Rig, n: usize) {
+    for _ in 0..n {
+        rig.worker.step();
+    }
+}
+
+#[test]
+fn a_full_engine_leaves_chains_in_the_ring() {
+    let (mut rig, release) = hold_rig(2);
+    read_batch(&mut rig, 5);
+    step(&mut rig, 10);
+    assert_eq!(
+        rig.worker.in_flight(),
+        2,
+        "only what the engine holds is popped"
+    );
+    assert_eq!(rig.used_idx(), 0, "nothing failed for want of room");
+    release.store(5, Ordering::SeqCst);
+    rig.worker.settle();
+    assert_eq!(rig.used_idx(), 5);
+    check_reads(&rig, 5);
+}
+
+#[test]
+fn stopping_a_ring_waits_for_its_requests() {
+    let (mut rig, release) = hold_rig(16);
+    read_batch(&mut rig, 3);
+    step(&mut rig, 3);
+    assert_eq!(rig.worker.in_flight(), 3);
+    let rx = rig.post(|reply| Command::Stop { queue: 0, reply });
+    step(&mut rig, 20);
+    assert!(
+        rx.try_recv().is_err(),
+        "GET_VRING_BASE answered with requests in flight"
+    );
+    // Chains published after the stop began are not taken.
+    rig.write_header(HDR2, req_type::FLUSH, 0);
+    rig.store_desc(QSIZE - 2, d(HDR2, 16, F_NEXT, QSIZE - 1));
+    rig.store_desc(QSIZE - 1, d(STATUS + 15, 1, F_WRITE, 0));
+    rig.set_avail(rig.next_avail, QSIZE - 2);
+    rig.set_avail_idx(rig.next_avail + 1);
+    release.store(100, Ordering::SeqCst);
+    let next = rig.step_until(&rx);
+    assert_eq!(
+        next, 3,
+        "the three popped requests, not the one after the stop"
+    );
+    assert_eq!(
+        rig.used_idx(),
+        3,
+        "all completions published before the answer"
+    );
+    check_reads(&rig, 3);
+    assert_eq!(rig.worker.in_flight(), 0);
+}
+
+#[test]
+fn completions_after_a_timed_out_stop_are_never_published() {
+    let (mut rig, release) = hold_rig(16);
+    rig.worker.set_stop_timeout(Duration::from_millis(30));
+    read_batch(&mut rig, 2);
+    step(&mut rig, 3);
+    let rx = rig.post(|reply| Command::Stop { queue: 0, reply });
+    let t0 = std::time::Instant::now();
+    let next = rig.step_until_timeout(&rx, Duration::from_secs(10));
+    assert!(t0.elapsed() >= Duration::from_millis(30));
+    assert_eq!(next, 2);
+    assert_eq!(rig.worker.zombies(), 1);
+    // The frontend has the ring back (it may re-arm or move it). The late completions
+    // must not touch it or the requests' status bytes.
+    let before = snapshot(&rig.mem);
+    release.store(100, Ordering::SeqCst);
+    for _ in 0..100 {
+        rig.worker.step();
+    }
+    assert_eq!(rig.worker.in_flight(), 0, "the engine handed them back");
+    assert_eq!(rig.worker.zombies(), 0);
+    let after = snapshot(&rig.mem);
+    let data = (DATA, DATA + 1024);
+    for (i, (a, b)) in before.iter().zip(&after).enumerate() {
+        let i = i as u64;
+        // The engine itself may land read data in the buffers (that cannot be undone),
+        // but nothing of the device's: no status byte, no used element, no index.
+        assert!(a == b || (i >= data.0 && i < data.1), "byte {i:#x} changed");
+    }
+    assert_eq!(rig.used_idx(), 0);
+}
+
+#[test]
+fn a_new_memory_table_with_requests_in_flight() {
+    let (mut rig, release) = hold_rig(16);
+    read_batch(&mut rig, 4);
+    step(&mut rig, 3);
+    assert_eq!(rig.worker.in_flight(), 4);
+    // The frontend sends the same memory again (as QEMU does when it adds a region): the
+    // requests in flight keep their mapping, the ring moves to the new view.
+    let gm = Arc::new(GuestMemory::from_mmap(rig.mem.clone()));
+    rig.ask(|reply| Command::Memory { mem: gm, reply });
+    release.store(100, Ordering::SeqCst);
+    rig.worker.settle();
+    assert_eq!(rig.used_idx(), 4);
+    check_reads(&rig, 4);
+    assert!(!rig.broken());
+}
+
+#[test]
+fn a_memory_table_without_the_ring_stops_the_queue() {
+    let mut rig = Rig::new(false, EngineKind::Sync);
+    // Only the second region: the rings (in the first) are gone.
+    let second: Mem =
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0x10_0000), 0x10_0000)]).unwrap();
+    let gm = Arc::new(GuestMemory::from_mmap(second));
+    rig.ask(|reply| Command::Memory { mem: gm, reply });
+    assert!(rig.broken());
+    assert_eq!(rig.err.read().unwrap_or(0), 1);
+}
+
+// ---- configuration space ----
+
+fn session(read_only: bool) -> (Session, tempfile::NamedTempFile) {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), vec![0u8; DISK_BYTES as usize]).unwrap();
+    let config = DeviceConfig {
+        disk: DiskSpec::File(file.path().to_path_buf()),
+        read_only,
+        num_queues: 2,
+        poll_us: 0,
+        ..Default::default()
+    };
+    let disk = Arc::new(
+        Backend::open(
+            &config.disk,
+            &OpenOptions {
+                read_only,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let (a, _b) = UnixStream::pair().unwrap();
+    (Session::new(&config, &disk, a).unwrap(), file)
+}
+
+#[test]
+fn driver_write_of_writeback_through_set_config_takes_effect() {
+    let (mut s, _f) = session(false);
+    let flags = VhostUserConfigFlags::WRITABLE;
+    let wb = |s: &mut Session| {
+        s.get_config(proto::config::WRITEBACK_OFFSET as u32, 1, flags)
+            .unwrap()[0]
+    };
+    s.set_features(all_features() | feature::bit(feature::VERSION_1))
+        .unwrap();
+    assert_eq!(wb(&mut s), 1, "writeback by default");
+    s.set_config(32, &[0], flags).unwrap();
+    assert_eq!(wb(&mut s), 0, "the driver switched to writethrough");
+    s.set_config(32, &[1], flags).unwrap();
+    assert_eq!(wb(&mut s), 1);
+    // Other fields are read-only.
+    assert!(s.set_config(0, &[0; 8], flags).is_err());
+    assert_eq!(
+        s.get_config(0, 8, flags).unwrap(),
+        CAPACITY.to_le_bytes().to_vec(),
+        "capacity unchanged"
+    );
+    // Without CONFIG_WCE the write is ignored.
+    let (mut s, _f) = session(false);
+    s.set_features(all_features() & !feature::bit(feature::CONFIG_WCE))
+        .unwrap();
+    s.set_config(32, &[0], flags).unwrap();
+    assert_eq!(wb(&mut s), 1);
+}
+
+#[test]
+fn config_space_reports_the_disk_and_limits() {
+    let (mut s, _f) = session(false);
+    let flags = VhostUserConfigFlags::WRITABLE;
+    let bytes = s
+        .get_config(0, proto::config::CONFIG_LEN as u32, flags)
+        .unwrap();
+    let c = proto::BlkConfig::from_bytes(&bytes);
+    assert_eq!(c.capacity, CAPACITY);
+    assert_eq!(
+        c.seg_max,
+        crate::config::SEG_MAX,
+        "whatever queue size comes"
+    );
+    assert_eq!(c.size_max, crate::config::SIZE_MAX);
+    assert_eq!(c.blk_size, 512);
+    assert_eq!(c.num_queues, 2);
+    assert_eq!((c.max_discard_seg, c.max_write_zeroes_seg), (1, 1));
+    assert!(c.max_discard_sectors > 0 && c.max_write_zeroes_sectors > 0);
+    assert_eq!(c.write_zeroes_may_unmap, 1);
+    // Reads past the defined fields are zero-filled; absurd ranges are refused.
+    assert_eq!(s.get_config(72, 24, flags).unwrap(), vec![0; 24]);
+    assert!(s.get_config(u32::MAX, 4, flags).is_err());
+    assert_eq!(s.get_queue_num().unwrap(), 2);
+}
+
+// ---- notification suppression ----
+
+#[test]
+fn a_batch_is_published_with_one_notification() {
+    let mut rig = Rig::with_features(
+        false,
+        EngineKind::Sync,
+        all_features() & !feature::bit(feature::RING_EVENT_IDX),
+    );
+    flush_batch(&mut rig, 5);
+    assert_eq!(rig.used_idx(), 5);
+    assert_eq!(
+        notifications(&rig.call),
+        1,
+        "one interrupt for the batch of 5"
+    );
+}
+
+#[test]
+fn no_interrupt_flag_is_honoured_without_event_idx() {
+    let mut rig = Rig::with_features(
+        false,
+        EngineKind::Sync,
+        all_features() & !feature::bit(feature::RING_EVENT_IDX),
+    );
+    rig.mem.write_obj(1u16, GuestAddress(rig.avail)).unwrap(); // VRING_AVAIL_F_NO_INTERRUPT
+    flush_batch(&mut rig, 3);
+    assert_eq!(
+        notifications(&rig.call),
+        0,
+        "the driver asked not to be interrupted"
+    );
+    rig.mem.write_obj(0u16, GuestAddress(rig.avail)).unwrap();
+    flush_batch(&mut rig, 1);
+    assert_eq!(notifications(&rig.call), 1);
+}
+
+#[test]
+fn used_event_is_honoured_with_event_idx() {
+    let mut rig = Rig::new(false, EngineKind::Sync);
+    let used_event = GuestAddress(rig.avail + 4 + 2 * u64::from(QSIZE));
+    // The driver wants to hear only when the used index passes 10.
+    rig.mem.write_obj(10u16, used_event).unwrap();
+    flush_batch(&mut rig, 4);
+    assert_eq!(
+        notifications(&rig.call),
+        0,
+        "used index 4 has not passed used_event 10"
+    );
+    flush_batch(&mut rig, 4);
+    assert_eq!(
+        notifications(&rig.call),
+        0,
+        "used index 8 has not passed used_event 10"
+    );
+    flush_batch(&mut rig, 4);
+    assert_eq!(
+        notifications(&rig.call),
+        1,
+        "used index 12 passed used_event 10"
+    );
+    // Re-armed at the current index: the next completion notifies.
+    rig.mem.write_obj(rig.used_idx(), used_event).unwrap();
+    flush_batch(&mut rig, 1);
+    assert_eq!(notifications(&rig.call), 1);
+}

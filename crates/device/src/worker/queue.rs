@@ -1,0 +1,292 @@
+//! One started virtqueue as its worker holds it: the ring, a request slot per descriptor
+//! head, the completions of the current pass, the queue's eventfds, and the state that
+//! decides whether it is served (enabled, broken, stopping).
+//!
+//! A chain that cannot be answered (no trustworthy status byte: a malformed descriptor, an
+//! indirect table of a bad length, a loop, a head out of range or already in flight) never
+//! reaches the used ring. The queue is stopped with one log line that gives the numbers,
+//! the frontend is told through the vring's error eventfd (SET_VRING_ERR), and the
+//! available index is left pointing at that chain, so GET_VRING_BASE reports exactly the
+//! chains that were answered. Other queues go on.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::SyncSender;
+use std::sync::Arc;
+use std::time::Instant;
+
+use log::{error, warn};
+use proto::{Request, RingInfo};
+
+use crate::ring::DeviceRing;
+
+/// Counters of one queue, readable by the control thread.
+#[derive(Debug, Default)]
+pub(crate) struct QueueStats {
+    /// Requests completed (any status).
+    pub completed: AtomicU64,
+    /// Requests answered with an error status because they were malformed.
+    pub rejected: AtomicU64,
+    /// Requests whose I/O failed (IOERR from the disk).
+    pub failed: AtomicU64,
+}
+
+/// The state of one descriptor head.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    pub busy: bool,
+    pub req: Request,
+}
+
+/// A GET_VRING_BASE waiting for the queue's requests to finish.
+#[derive(Debug)]
+pub(crate) struct Stopping {
+    pub deadline: Instant,
+    pub reply: SyncSender<u16>,
+}
+
+/// Everything the control thread hands a worker to start a queue.
+#[derive(Debug)]
+pub(crate) struct QueueStart {
+    pub index: usize,
+    pub ring: DeviceRing,
+    pub info: RingInfo,
+    pub kick: File,
+    pub call: Option<File>,
+    pub err: Option<File>,
+    pub enabled: bool,
+    pub stats: Arc<QueueStats>,
+}
+
+/// A started queue.
+#[derive(Debug)]
+pub(crate) struct Queue {
+    /// Global queue index (what the driver calls it).
+    pub index: usize,
+    /// Distinguishes this start of the queue from earlier ones in completion tokens.
+    pub gen: u16,
+    pub ring: DeviceRing,
+    /// The ring can be read and written (false once a memory table left it outside).
+    pub ring_ok: bool,
+    pub info: RingInfo,
+    pub slots: Vec<Slot>,
+    pub in_flight: usize,
+    /// Completions not yet published.
+    pub used: Vec<(u16, u32)>,
+    pub kick: File,
+    pub call: Option<File>,
+    pub err: Option<File>,
+    pub enabled: bool,
+    /// Stopped as broken: nothing more is popped until the frontend restarts the queue.
+    pub broken: bool,
+    /// Kicks are disabled (we are polling this queue).
+    pub quiet: bool,
+    pub stopping: Option<Stopping>,
+    pub stats: Arc<QueueStats>,
+    /// Malformed requests seen (the first few are logged).
+    pub bad: u64,
+}
+
+/// How many malformed requests a queue logs in full before it only counts them.
+const BAD_REQUEST_LOG_LIMIT: u64 = 20;
+
+impl Queue {
+    pub(crate) fn new(start: QueueStart, gen: u16) -> Queue {
+        let size = usize::from(start.ring.size());
+        Queue {
+            index: start.index,
+            gen,
+            ring: start.ring,
+            ring_ok: true,
+            info: start.info,
+            // Small to start with; a slot's iovec vector grows to what its requests need.
+            slots: (0..size)
+                .map(|_| Slot {
+                    busy: false,
+                    req: Request::with_capacity(4),
+                })
+                .collect(),
+            in_flight: 0,
+            used: Vec::with_capacity(size),
+            kick: start.kick,
+            call: start.call,
+            err: start.err,
+            enabled: start.enabled,
+            broken: false,
+            quiet: false,
+            stopping: None,
+            stats: start.stats,
+            bad: 0,
+        }
+    }
+
+    /// Whether chains should be popped now.
+    pub(crate) fn serving(&self) -> bool {
+        self.enabled && !self.broken && self.ring_ok && self.stopping.is_none()
+    }
+
+    /// Stop serving the queue until the frontend restarts it; tell the frontend through
+    /// the error eventfd.
+    pub(crate) fn stop_broken(&mut self, why: std::fmt::Arguments<'_>) {
+        if self.broken {
+            return;
+        }
+        self.broken = true;
+        error!(
+            "queue {}: stopped until the frontend restarts it: {why} (available index {}, {} requests still in flight)",
+            self.index,
+            self.ring.next_avail(),
+            self.in_flight
+        );
+        if let Some(err) = &self.err {
+            signal_eventfd(err);
+        }
+    }
+
+    /// Log a malformed request; a hostile driver gets only the first few logged.
+    pub(crate) fn log_bad(&mut self, msg: std::fmt::Arguments<'_>) {
+        self.bad += 1;
+        if self.bad <= BAD_REQUEST_LOG_LIMIT {
+            warn!("queue {}: {msg}", self.index);
+            if self.bad == BAD_REQUEST_LOG_LIMIT {
+                warn!(
+                    "queue {}: further malformed requests are counted, not logged",
+                    self.index
+                );
+            }
+        }
+    }
+
+    /// Publish this pass's completions and notify the driver if it wants to hear.
+    pub(crate) fn publish(&mut self) {
+        if self.used.is_empty() {
+            return;
+        }
+        if !self.ring_ok {
+            // The ring is no longer where the frontend says memory is: nothing can be
+            // published; the completions are lost with the queue (it is broken).
+            self.used.clear();
+            return;
+        }
+        let notify = self.ring.publish(&self.used);
+        self.used.clear();
+        if notify {
+            if let Some(call) = &self.call {
+                signal_eventfd(call);
+            }
+        }
+    }
+
+    /// Read a kick eventfd (non-blocking) so that a level-triggered poll sleeps again.
+    /// False when the fd is at end of file (a pipe whose writer went away).
+    pub(crate) fn clear_kick(&self) -> bool {
+        clear_fd(&self.kick)
+    }
+}
+
+/// Tell the peer behind an eventfd (or pipe) something happened. Never blocks: the fd is
+/// non-blocking, and a full counter or pipe already means "something happened".
+pub(crate) fn signal_eventfd(f: &File) {
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: writes 8 bytes from a local array to a descriptor we own.
+    let r = unsafe { libc::write(f.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::WouldBlock && e.kind() != io::ErrorKind::Interrupted {
+            warn!("cannot signal the frontend's eventfd: {e}");
+        }
+    }
+}
+
+/// Read (and discard) what is waiting on a non-blocking fd. False at end of file.
+pub(crate) fn clear_fd(f: &File) -> bool {
+    let mut buf = [0u8; 64];
+    // SAFETY: reads at most 64 bytes into a local buffer from a descriptor we own.
+    let r = unsafe { libc::read(f.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    r != 0
+}
+
+/// Completion tokens carry the queue, its generation and the head.
+pub(crate) fn token(index: usize, gen: u16, head: u16) -> u64 {
+    ((index as u64) << 32) | (u64::from(gen) << 16) | u64::from(head)
+}
+
+/// The (queue index, generation, head) of a token.
+pub(crate) fn untoken(token: u64) -> (usize, u16, u16) {
+    ((token >> 32) as usize, (token >> 16) as u16, token as u16)
+}
+
+/// A log that lets a few lines through per interval and counts the rest.
+#[derive(Debug)]
+pub(crate) struct RateLimit {
+    window: Instant,
+    count: u32,
+    suppressed: u64,
+}
+
+impl RateLimit {
+    /// Lines let through per interval.
+    const LINES: u32 = 10;
+    /// The interval.
+    const SECS: u64 = 10;
+
+    pub(crate) fn new() -> RateLimit {
+        RateLimit {
+            window: Instant::now(),
+            count: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// Whether a line may be logged now (then log it); counts it otherwise.
+    pub(crate) fn allow(&mut self) -> bool {
+        let now = Instant::now();
+        if now.duration_since(self.window).as_secs() >= Self::SECS {
+            if self.suppressed > 0 {
+                warn!(
+                    "{} more failed I/Os in the last {}+ s were not logged",
+                    self.suppressed,
+                    Self::SECS
+                );
+            }
+            self.window = now;
+            self.count = 0;
+            self.suppressed = 0;
+        }
+        if self.count < Self::LINES {
+            self.count += 1;
+            true
+        } else {
+            self.suppressed += 1;
+            false
+        }
+    }
+}
+
+impl Queue {
+    /// The stats counter bump for a completion.
+    pub(crate) fn count_completed(&self) {
+        self.stats.completed.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_round_trip() {
+        assert_eq!(untoken(token(1023, 7, 65535)), (1023, 7, 65535));
+        assert_eq!(untoken(token(0, 0, 0)), (0, 0, 0));
+    }
+
+    #[test]
+    fn rate_limit_lets_a_few_through() {
+        let mut r = RateLimit::new();
+        let allowed = (0..100).filter(|_| r.allow()).count();
+        assert_eq!(allowed, RateLimit::LINES as usize);
+        assert_eq!(r.suppressed, 100 - u64::from(RateLimit::LINES));
+    }
+}
