@@ -7,4 +7,6 @@
 pub mod assets;
 pub mod daemon;
 pub mod guest;
+pub mod raw_frontend;
+pub mod raw_ring;
 pub mod util;
