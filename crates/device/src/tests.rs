@@ -100,6 +100,7 @@ impl Rig {
                     read_only,
                     cache: config.cache,
                     prealloc: false,
+                    ..Default::default()
                 },
             )
             .unwrap(),
