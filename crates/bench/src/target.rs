@@ -142,6 +142,7 @@ impl Target {
                         read_only: false,
                         cache: *cache,
                         prealloc: true,
+                        ..Default::default()
                     },
                 )
                 .map_err(|e| e.to_string())?;

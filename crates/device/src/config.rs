@@ -67,6 +67,8 @@ pub struct DeviceConfig {
     /// Most requests handed to the engine per submit call (0: one submit per pass; None:
     /// [`auto_submit_batch`] for the cache mode).
     pub submit_batch: Option<u32>,
+    /// Files and block devices: image locking and the format probe.
+    pub image: storage::ImageChecks,
 }
 
 impl Default for DeviceConfig {
@@ -84,6 +86,7 @@ impl Default for DeviceConfig {
             poll_us: DEFAULT_POLL_US,
             cpus: Vec::new(),
             submit_batch: None,
+            image: Default::default(),
         }
     }
 }

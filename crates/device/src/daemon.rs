@@ -59,6 +59,7 @@ pub fn serve(
             read_only: config.read_only,
             cache: config.cache,
             prealloc: config.prealloc,
+            image: config.image,
         },
     )?);
     info!(

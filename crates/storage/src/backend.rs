@@ -16,7 +16,9 @@ use std::sync::Arc;
 use crate::bounce::{probe_dio, DioAlign, DioProbe};
 use crate::engine::{check_depth, Engine, EngineKind};
 use crate::error::Error;
+use crate::format::{probe_file, Format};
 use crate::inline::InlineEngine;
+use crate::lock::{lock_image, Access, ImageLock};
 use crate::spec::{DiskSpec, SECTOR_SIZE};
 use crate::sync_engine::SyncEngine;
 use crate::uring_engine::UringEngine;
@@ -71,6 +73,22 @@ pub struct OpenOptions {
     /// so that no I/O pays for a first-touch page fault and running out of memory is an
     /// error at open rather than later.
     pub prealloc: bool,
+    /// Files and block devices only: image locking and the format probe.
+    pub image: ImageChecks,
+}
+
+/// What is checked, and held, on a file or block device before it is served. The default
+/// is the safe one: QEMU-compatible locks on, and images that are not raw refused.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ImageChecks {
+    /// Take QEMU's image locks for as long as the backend lives, and refuse the image when
+    /// another user's locks exclude this one (a second writer, or a writer beside a reader
+    /// that refuses writers).
+    pub lock: ImageLock,
+    /// The format the user declared. `None` probes the first 2 KiB and the last 512 bytes
+    /// and refuses qcow2, VMDK, VDI and the other image formats QEMU knows (a guest
+    /// writing to one served raw destroys it); `Some(Format::Raw)` skips the probe.
+    pub format: Option<Format>,
 }
 
 /// What kind of thing holds the bytes.
@@ -321,6 +339,29 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
             path: path.to_owned(),
         });
     };
+    // Locks first: a second writer is refused before anything is read. The format probe
+    // comes before the size checks, so that a qcow2 file of 196616 bytes is named as
+    // qcow2, not as a size that is not a multiple of 512.
+    match opts.image.lock {
+        ImageLock::On => {
+            lock_image(&file, Access::vblk(opts.read_only)).map_err(|e| e.into_error(path))?
+        }
+        ImageLock::Off => log::info!(
+            "{}: image locking is off: other programs may open it for writing at the same time",
+            path.display()
+        ),
+    }
+    if opts.image.format.is_none() {
+        let found = probe_file(&file, size).map_err(|e| io_err("read (format probe)", e))?;
+        if let Some(format) = found {
+            return Err(Error::NotRaw {
+                path: path.to_owned(),
+                format,
+                read_only: opts.read_only,
+            });
+        }
+    }
+
     let unaligned = |block: u32| Error::UnalignedFile {
         path: path.to_owned(),
         size,

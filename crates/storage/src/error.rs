@@ -5,6 +5,8 @@
 use std::io;
 use std::path::PathBuf;
 
+use crate::format::{refusal, ImageFormat};
+use crate::lock::{conflict_message, Conflict};
 use crate::spec::format_size;
 
 /// Why a disk could not be named, opened or given an engine.
@@ -107,6 +109,46 @@ pub enum Error {
         /// The block size that was reported.
         size: u32,
     },
+    /// Another user of the image holds a lock, in QEMU's image locking convention, that
+    /// excludes vblk: it writes the image, or it refuses writers and vblk would write.
+    #[error("{}", conflict_message(path, *conflict, holders))]
+    Locked {
+        /// The file or device.
+        path: PathBuf,
+        /// Which lock, on which byte.
+        conflict: Conflict,
+        /// The processes found holding it (`name (pid N)`); empty when none could be
+        /// inspected.
+        holders: Vec<String>,
+    },
+    /// The kernel or the file system refused an image lock.
+    #[error(
+        "{}: cannot take QEMU's image locks ({op} on byte {byte}): {}; pass --image-lock off \
+         to serve it without image locking",
+        path.display(),
+        errno_text(source)
+    )]
+    LockFailed {
+        /// The file or device.
+        path: PathBuf,
+        /// The `fcntl` command: `F_OFD_SETLK` or `F_OFD_GETLK`.
+        op: &'static str,
+        /// The byte it was about.
+        byte: u64,
+        /// What it said.
+        #[source]
+        source: io::Error,
+    },
+    /// The file or device holds an image format other than raw.
+    #[error("{}", refusal(path, *format, *read_only))]
+    NotRaw {
+        /// The file or device.
+        path: PathBuf,
+        /// What the probe found.
+        format: ImageFormat,
+        /// Whether it was to be served read-only (the harm differs).
+        read_only: bool,
+    },
     /// A RAM disk could not be created.
     #[error("mem:{}: {op}: {}", format_size(*size), errno_text(source))]
     Mem {
@@ -145,6 +187,7 @@ impl Error {
         match self {
             Error::Open { source, .. }
             | Error::Io { source, .. }
+            | Error::LockFailed { source, .. }
             | Error::Mem { source, .. }
             | Error::EngineSetup { source, .. } => source.raw_os_error(),
             _ => None,

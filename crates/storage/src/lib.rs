@@ -12,7 +12,9 @@
 //! | --- | --- |
 //! | `spec` | [`DiskSpec`] and [`parse_size`]: the SPEC and size grammars |
 //! | `error` | [`Error`]: everything that fails while naming, opening or setting up |
-//! | `backend` | [`Backend`], [`OpenOptions`], [`CacheMode`], [`BackendKind`]: opening files, block devices (`BLKGETSIZE64`, `BLKSSZGET`), RAM disks (memfd + mmap) and null disks |
+//! | `backend` | [`Backend`], [`OpenOptions`], [`ImageChecks`], [`CacheMode`], [`BackendKind`]: opening files, block devices (`BLKGETSIZE64`, `BLKSSZGET`), RAM disks (memfd + mmap) and null disks |
+//! | `lock` | [`ImageLock`]: QEMU's image locking convention (OFD locks on bytes 100+i and 200+i), so that vblk and QEMU exclude each other as writers |
+//! | `format` | [`Format`], [`ImageFormat`], [`probe`]: refusing qcow2, VMDK, VDI and the other formats that must not be served raw |
 //! | `engine` | the contract: [`Engine`], [`Op`], [`Completion`], [`Full`], [`EngineKind`]; the completion ring and iovec checks the engines share |
 //! | `uring_engine` | the io_uring engine: one ring per engine, eventfd, slots indexed by `user_data` |
 //! | `sync_engine` | the sync engine: `preadv2`/`pwritev2` inside `submit` |
@@ -31,13 +33,17 @@ mod backend;
 mod bounce;
 mod engine;
 mod error;
+mod format;
 mod inline;
+mod lock;
 mod spec;
 mod sync_engine;
 mod sysio;
 mod uring_engine;
 
-pub use backend::{Backend, BackendKind, CacheMode, OpenOptions};
+pub use backend::{Backend, BackendKind, CacheMode, ImageChecks, OpenOptions};
 pub use engine::{Completion, Engine, EngineKind, Full, Op, MAX_DEPTH};
 pub use error::Error;
+pub use format::{probe, Format, ImageFormat, PROBE_HEAD, PROBE_TAIL};
+pub use lock::{Conflict, ImageLock, Perm, PERM_BASE, SHARED_BASE};
 pub use spec::{format_size, parse_size, DiskSpec, SECTOR_SIZE};

@@ -510,6 +510,7 @@ mod tests {
                     read_only: false,
                     cache,
                     prealloc: false,
+                    ..Default::default()
                 };
                 let b = Arc::new(Backend::open(&DiskSpec::File(path.clone()), &opts).unwrap());
                 b.caps.no_punch.store(true, Ordering::Relaxed);

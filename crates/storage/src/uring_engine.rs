@@ -722,6 +722,7 @@ mod tests {
                     read_only: false,
                     cache: CacheMode::Writeback,
                     prealloc: false,
+                    ..Default::default()
                 },
             )
             .unwrap(),

@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 
 use common::*;
@@ -18,6 +16,7 @@ fn open_spec(spec: &str, read_only: bool) -> Arc<Backend> {
         read_only,
         cache: CacheMode::Writeback,
         prealloc: false,
+        ..Default::default()
     };
     Arc::new(Backend::open(&spec.parse().unwrap(), &opts).unwrap())
 }
@@ -238,40 +237,6 @@ fn file_serials() {
     assert!(serial.len() <= 20);
 }
 
-/// A loop device over a file; detached on drop.
-struct Loop {
-    dev: PathBuf,
-}
-
-impl Loop {
-    fn attach(file: &Path, sector_size: u32) -> Result<Loop, String> {
-        let out = Command::new("losetup")
-            .args([
-                "--find",
-                "--show",
-                "--sector-size",
-                &sector_size.to_string(),
-            ])
-            .arg(file)
-            .output()
-            .map_err(|e| format!("cannot run losetup: {e}"))?;
-        if !out.status.success() {
-            return Err(format!(
-                "losetup failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-        }
-        let dev = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        Ok(Loop { dev: dev.into() })
-    }
-}
-
-impl Drop for Loop {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
-    }
-}
-
 /// A block device: size by BLKGETSIZE64, both engines, both cache modes, and a
 /// 4096-byte-sector device whose O_DIRECT block size is 4096. Skipped (with the
 /// reason printed) where loop devices cannot be made.
@@ -374,6 +339,8 @@ fn block_device() {
             "{kind}: offset not a multiple of 4096"
         );
     }
+    // One writer at a time: the image lock refuses a second while the first lives.
+    drop(b);
     let b = open(&lo.dev, CacheMode::Writeback, false);
     assert_eq!(
         b.logical_block_size(),
@@ -394,6 +361,7 @@ fn prealloc_maps_every_page_of_a_ram_disk_at_open() {
         read_only: false,
         cache: CacheMode::Writeback,
         prealloc: true,
+        ..Default::default()
     };
     let rss = || -> u64 {
         let s = std::fs::read_to_string("/proc/self/statm").unwrap();

@@ -4,10 +4,10 @@ use std::error::Error;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use device::config::{DEFAULT_NUM_QUEUES, DEFAULT_POLL_US, DEFAULT_QUEUE_SIZE};
 use device::{DeviceConfig, Listen};
-use storage::{CacheMode, DiskSpec, EngineKind};
+use storage::{CacheMode, DiskSpec, EngineKind, Format, ImageChecks, ImageLock};
 
 /// Serve a disk as a vhost-user-blk device.
 ///
@@ -48,6 +48,25 @@ pub struct ServeArgs {
     /// qemu-storage-daemon does; a guest kernel refuses them itself).
     #[arg(long)]
     pub read_only: bool,
+
+    /// Image files and block devices: hold QEMU's image locks while vblk runs (OFD locks on
+    /// byte 100+i for each permission held and 200+i for each one not shared; a writable
+    /// export locks 100, 101 and 201, as a QEMU virtio-blk disk does). `on` refuses an
+    /// image that another vblk, QEMU or qemu-storage-daemon writes, or whose reader there
+    /// keeps writers out, and names the lock and its holder; read-only exports share with
+    /// readers. `off` takes and checks no locks, like QEMU's locking=off. There is no
+    /// `auto`: QEMU's auto means on wherever OFD locks exist, which is every Linux vblk
+    /// runs on.
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = LockArg::On)]
+    pub image_lock: LockArg,
+
+    /// Declare the image's format; `raw` is the only one vblk serves [default: probe: an
+    /// image file or block device that holds qcow2, QED, VMDK, VHDX, VDI, VHD, LUKS,
+    /// Parallels, DMG, Bochs or cloop is refused, since a guest writing to one served raw
+    /// destroys it]. Pass `--format raw` for disks a guest owns: a guest could write an
+    /// image header into its own disk, and the next start would then refuse it.
+    #[arg(long, value_name = "FORMAT", value_enum)]
+    pub format: Option<FormatArg>,
 
     /// RAM disks: allocate and map all of it at start (no first-touch page faults during
     /// I/O; not enough memory is an error at start, not later).
@@ -101,6 +120,22 @@ pub struct ServeArgs {
     /// submit call, so big batches delay their tail), 0 with the page cache].
     #[arg(long, value_name = "N")]
     pub submit_batch: Option<u32>,
+}
+
+/// `--image-lock`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LockArg {
+    /// Take QEMU-compatible image locks and honour other users' locks.
+    On,
+    /// No image locks.
+    Off,
+}
+
+/// `--format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FormatArg {
+    /// The bytes are the disk; no probe.
+    Raw,
 }
 
 /// A CPU list such as `0,2,4-7`.
@@ -157,6 +192,13 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             poll_us: a.poll_us,
             cpus: a.cpus.map(|c| c.0).unwrap_or_default(),
             submit_batch: a.submit_batch,
+            image: ImageChecks {
+                lock: match a.image_lock {
+                    LockArg::On => ImageLock::On,
+                    LockArg::Off => ImageLock::Off,
+                },
+                format: a.format.map(|FormatArg::Raw| Format::Raw),
+            },
         };
         config.validate().map_err(|e| e.to_string())?;
         Ok((config, listen))
@@ -223,6 +265,10 @@ mod tests {
             "--prealloc",
             "--submit-batch",
             "2",
+            "--image-lock",
+            "off",
+            "--format",
+            "raw",
         ])
         .unwrap();
         assert_eq!(l, Listen::Path("/run/x.sock".into()));
@@ -235,6 +281,13 @@ mod tests {
         assert!(c.read_only && c.prealloc);
         assert_eq!(c.serial.as_deref(), Some("abc"));
         assert_eq!(c.effective_submit_batch(), 2);
+        assert_eq!(
+            c.image,
+            ImageChecks {
+                lock: ImageLock::Off,
+                format: Some(Format::Raw)
+            }
+        );
         let (auto, _) = serve(&[
             "--socket-path",
             "/x",
@@ -254,6 +307,14 @@ mod tests {
             auto.effective_submit_batch(),
             0,
             "page cache: one submit per pass"
+        );
+        assert_eq!(
+            auto.image,
+            ImageChecks {
+                lock: ImageLock::On,
+                format: None
+            },
+            "locks on and the format probed by default"
         );
     }
 
@@ -300,5 +361,25 @@ mod tests {
         ])
         .unwrap_err();
         assert!(e.contains("aio"), "{e}");
+        let e = serve(&[
+            "--socket-path",
+            "/x",
+            "--blk-file",
+            "d",
+            "--format",
+            "qcow2",
+        ])
+        .unwrap_err();
+        assert!(e.contains("qcow2") && e.contains("raw"), "{e}");
+        let e = serve(&[
+            "--socket-path",
+            "/x",
+            "--blk-file",
+            "d",
+            "--image-lock",
+            "auto",
+        ])
+        .unwrap_err();
+        assert!(e.contains("auto") && e.contains("on, off"), "{e}");
     }
 }

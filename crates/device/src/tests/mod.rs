@@ -129,6 +129,7 @@ impl Rig {
                     read_only,
                     cache: config.cache,
                     prealloc: false,
+                    ..Default::default()
                 },
             )
             .unwrap(),

@@ -3,6 +3,7 @@
 
 use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
 
 use vblk_storage::{Backend, CacheMode, Completion, DiskSpec, Engine, Op, OpenOptions};
@@ -71,6 +72,7 @@ pub fn open(path: &Path, cache: CacheMode, read_only: bool) -> Arc<Backend> {
         read_only,
         cache,
         prealloc: false,
+        ..Default::default()
     };
     Arc::new(Backend::open(&DiskSpec::File(path.to_owned()), &opts).unwrap())
 }
@@ -234,4 +236,38 @@ pub fn read(
         .iter()
         .flat_map(|b| b.as_slice().iter().copied())
         .collect())
+}
+
+/// A loop device over a file; detached on drop.
+pub struct Loop {
+    pub dev: PathBuf,
+}
+
+impl Loop {
+    pub fn attach(file: &Path, sector_size: u32) -> Result<Loop, String> {
+        let out = Command::new("losetup")
+            .args([
+                "--find",
+                "--show",
+                "--sector-size",
+                &sector_size.to_string(),
+            ])
+            .arg(file)
+            .output()
+            .map_err(|e| format!("cannot run losetup: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "losetup failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        Ok(Loop { dev: dev.into() })
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
+    }
 }

@@ -77,3 +77,33 @@ pub fn stamp_sector(s: &mut [u8], id: u32, lba: u64) {
         w.copy_from_slice(&x.to_le_bytes());
     }
 }
+
+/// Run `cmd` to its end with stdout and stderr captured, failing the test if it is still
+/// running after `limit` (it is then killed). For commands that are expected to give up
+/// at once, such as a daemon refusing its disk.
+pub fn run_to_exit(mut cmd: Command, limit: Duration) -> std::process::Output {
+    use std::process::Stdio;
+    use std::time::Instant;
+
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    die_with_parent(&mut cmd);
+    let what = format!("{cmd:?}");
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+    let deadline = Instant::now() + limit;
+    while child.try_wait().expect("try_wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("wait");
+            panic!(
+                "{what} was still running after {limit:?} (killed); its stderr:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().expect("wait")
+}

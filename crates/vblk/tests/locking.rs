@@ -1,0 +1,255 @@
+//! Image locking with the real programs: `vblk serve` against another `vblk serve` and
+//! against qemu-storage-daemon (Debian package qemu-system-common), in both orders. Both
+//! follow QEMU's convention (OFD read locks on byte 100+i for each permission held and on
+//! 200+i for each one not shared), so a second writer on one image is refused at start
+//! with an error that names the lock, the byte, and who holds it.
+
+mod support;
+
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use support::assets::find_program;
+use support::daemon::{Backend, Daemon, Export};
+use support::util::{run_to_exit, temp_dir};
+
+const MIB: u64 = 1 << 20;
+/// A refused start fails at open, in milliseconds; this only bounds a hang.
+const REFUSAL_LIMIT: Duration = Duration::from_secs(30);
+
+fn image(dir: &Path) -> PathBuf {
+    let path = dir.join("disk.img");
+    let f = fs::File::create(&path).unwrap();
+    f.set_len(16 * MIB).unwrap();
+    path
+}
+
+/// `vblk serve` on `image`, running and listening (it locks before it listens).
+fn vblk(dir: &Path, name: &str, image: &Path, args: &[&str]) -> Daemon {
+    let export = Export::new(image, 1).args(args);
+    Daemon::start(
+        Backend::Vblk,
+        name,
+        &export,
+        &dir.join(format!("{name}.sock")),
+        &dir.join(format!("{name}.log")),
+    )
+}
+
+/// qemu-storage-daemon exporting `image` writable; it has locked once its socket exists
+/// (the export takes its permissions before it listens).
+fn qsd(dir: &Path, image: &Path) -> Daemon {
+    qsd_program();
+    Daemon::start(
+        Backend::QemuStorageDaemon,
+        "qsd",
+        &Export::new(image, 1),
+        &dir.join("qsd.sock"),
+        &dir.join("qsd.log"),
+    )
+}
+
+fn qsd_program() -> PathBuf {
+    find_program("qemu-storage-daemon").unwrap_or_else(|| {
+        panic!(
+            "qemu-storage-daemon is not installed: install the Debian package \
+             qemu-system-common (`apt-get install qemu-system-common`; scripts/test does this)"
+        )
+    })
+}
+
+/// Runs `vblk serve` on `image`, expecting it to refuse; returns its stderr.
+fn vblk_refused(dir: &Path, image: &Path, args: &[&str]) -> String {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vblk"));
+    cmd.arg("serve")
+        .arg("--socket-path")
+        .arg(dir.join("refused.sock"))
+        .arg("--blk-file")
+        .arg(image)
+        .args(args);
+    refused("vblk serve", run_to_exit(cmd, REFUSAL_LIMIT))
+}
+
+/// Runs a writable qemu-storage-daemon export of `image`, expecting it to refuse.
+fn qsd_refused(dir: &Path, image: &Path) -> String {
+    let mut cmd = Command::new(qsd_program());
+    cmd.arg("--blockdev")
+        .arg(format!(
+            "driver=file,node-name=f,filename={},cache.direct=off",
+            image.display()
+        ))
+        .arg("--export")
+        .arg(format!(
+            "type=vhost-user-blk,id=e,node-name=f,addr.type=unix,addr.path={},writable=on",
+            dir.join("qsd-refused.sock").display()
+        ));
+    refused("qemu-storage-daemon", run_to_exit(cmd, REFUSAL_LIMIT))
+}
+
+fn refused(what: &str, out: Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "{what} should have been refused, but exited with {}; stderr:\n{stderr}",
+        out.status
+    );
+    stderr
+}
+
+fn assert_names(stderr: &str, parts: &[&str]) {
+    for p in parts {
+        assert!(stderr.contains(p), "expected {p:?} in:\n{stderr}");
+    }
+}
+
+/// The bytes of `path` that /proc/locks shows locked, as QEMU-style single bytes.
+fn locked_bytes(path: &Path) -> Vec<u64> {
+    let m = fs::metadata(path).unwrap();
+    let (major, minor) = (libc::major(m.dev()), libc::minor(m.dev()));
+    let id = format!("{major:02x}:{minor:02x}:{}", m.ino());
+    let mut bytes = Vec::new();
+    for line in fs::read_to_string("/proc/locks").unwrap().lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if let Some(i) = f.iter().position(|t| *t == id) {
+            let (start, end): (u64, u64) = (f[i + 1].parse().unwrap(), f[i + 2].parse().unwrap());
+            bytes.extend(start..=end);
+        }
+    }
+    bytes.sort_unstable();
+    bytes
+}
+
+#[test]
+fn vblk_locks_the_bytes_a_qemu_virtio_blk_disk_locks() {
+    // QEMU 7.2's -device virtio-blk-pci takes 100, 101, 201 writable and 100, 201
+    // read-only: consistent read (+ write) held, write not shared.
+    let dir = temp_dir("locking");
+    let img = image(dir.path());
+    let rw = vblk(dir.path(), "rw", &img, &[]);
+    assert_eq!(locked_bytes(&img), [100, 101, 201], "{}", rw.describe());
+    drop(rw);
+    assert_eq!(locked_bytes(&img), [0u64; 0], "released when vblk ends");
+    let ro = vblk(dir.path(), "ro", &img, &["--read-only"]);
+    assert_eq!(locked_bytes(&img), [100, 201], "{}", ro.describe());
+}
+
+#[test]
+fn a_second_writable_vblk_is_refused_naming_the_first() {
+    let dir = temp_dir("locking");
+    let img = image(dir.path());
+    let mut first = vblk(dir.path(), "first", &img, &[]);
+    let err = vblk_refused(dir.path(), &img, &[]);
+    assert_names(
+        &err,
+        &[
+            &format!("{}: Failed to get \"write\" lock", img.display()),
+            "byte 201",
+            "QEMU's image locking convention",
+            &format!("vblk (pid {})", first.pid()),
+            "--image-lock off",
+        ],
+    );
+    first.assert_running("after a second vblk was refused");
+}
+
+#[test]
+fn two_read_only_vblk_share_an_image() {
+    let dir = temp_dir("locking");
+    let img = image(dir.path());
+    let mut a = vblk(dir.path(), "a", &img, &["--read-only"]);
+    let mut b = vblk(dir.path(), "b", &img, &["--read-only"]);
+    a.assert_running("beside another reader");
+    b.assert_running("beside another reader");
+}
+
+#[test]
+fn a_reader_and_a_writer_exclude_each_other() {
+    let dir = temp_dir("locking");
+    let img = image(dir.path());
+    let reader = vblk(dir.path(), "reader", &img, &["--read-only"]);
+    let err = vblk_refused(dir.path(), &img, &[]);
+    assert_names(
+        &err,
+        &[
+            "Failed to get \"write\" lock",
+            "byte 201",
+            &format!("vblk (pid {})", reader.pid()),
+        ],
+    );
+    drop(reader);
+    let writer = vblk(dir.path(), "writer", &img, &[]);
+    let err = vblk_refused(dir.path(), &img, &["--read-only"]);
+    assert_names(
+        &err,
+        &[
+            "Failed to get shared \"write\" lock",
+            "byte 101",
+            "open for writing",
+            &format!("vblk (pid {})", writer.pid()),
+        ],
+    );
+}
+
+#[test]
+fn qemu_storage_daemon_is_refused_by_a_vblk_writer() {
+    let dir = temp_dir("locking");
+    let img = image(dir.path());
+    let mut v = vblk(dir.path(), "vblk", &img, &[]);
+    let err = qsd_refused(dir.path(), &img);
+    // QEMU's own words: it finds byte 201 (write not shared) locked.
+    assert_names(&err, &["Failed to get \"write\" lock"]);
+    v.assert_running("after qemu-storage-daemon was refused");
+}
+
+#[test]
+fn vblk_is_refused_by_a_qemu_storage_daemon_writer() {
+    let dir = temp_dir("locking");
+    let img = image(dir.path());
+    let mut q = qsd(dir.path(), &img);
+    let holder = format!("qemu-storage-daemon (pid {})", q.pid());
+    for args in [&[][..], &["--read-only"][..]] {
+        let err = vblk_refused(dir.path(), &img, args);
+        assert_names(
+            &err,
+            &[
+                &format!("{}: Failed to get shared \"write\" lock", img.display()),
+                "byte 101",
+                &holder,
+                "--image-lock off",
+            ],
+        );
+    }
+    q.assert_running("after vblk was refused");
+}
+
+#[test]
+fn image_lock_off_lets_a_second_one_start() {
+    let dir = temp_dir("locking");
+    let img = image(dir.path());
+    let mut first = vblk(dir.path(), "first", &img, &[]);
+    let mut second = vblk(dir.path(), "second", &img, &["--image-lock", "off"]);
+    assert_eq!(
+        locked_bytes(&img),
+        [100, 101, 201],
+        "the second takes no locks"
+    );
+    first.assert_running("beside an unlocked second");
+    second.assert_running("beside a locked first");
+    // An unlocked vblk excludes nobody: qemu-storage-daemon starts beside it.
+    drop(first);
+    let mut q = qsd(dir.path(), &img);
+    q.assert_running("beside vblk --image-lock off");
+}
+
+#[test]
+fn locks_die_with_their_holder() {
+    let dir = temp_dir("locking");
+    let img = image(dir.path());
+    let first = vblk(dir.path(), "first", &img, &[]);
+    drop(first); // SIGKILL, then reaped
+    let mut second = vblk(dir.path(), "second", &img, &[]);
+    second.assert_running("after the first was killed");
+}
