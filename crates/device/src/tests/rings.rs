@@ -106,6 +106,8 @@ struct HoldEngine {
     inner: Box<dyn Engine>,
     held: VecDeque<(u64, Op)>,
     release: Arc<AtomicUsize>,
+    /// Released operations fail with this errno instead of running (0: they run).
+    fail: Arc<AtomicUsize>,
     depth: usize,
     in_flight: usize,
 }
@@ -135,6 +137,15 @@ impl Engine for HoldEngine {
                 break;
             };
             self.release.fetch_sub(1, Ordering::SeqCst);
+            let errno = self.fail.load(Ordering::SeqCst);
+            if errno != 0 {
+                f(Completion {
+                    token,
+                    result: Err(std::io::Error::from_raw_os_error(errno as i32)),
+                });
+                n += 1;
+                continue;
+            }
             // SAFETY: forwarded from our own push contract, which holds until reaped.
             unsafe { self.inner.push(token, op) }.unwrap();
             self.inner.submit().unwrap();
@@ -164,6 +175,12 @@ impl Engine for HoldEngine {
 
 /// A rig whose engine holds operations until `release` allows them.
 fn hold_rig(depth: usize) -> (Rig, Arc<AtomicUsize>) {
+    let (rig, release, _fail) = hold_rig_failing(depth);
+    (rig, release)
+}
+
+/// As [`hold_rig`], and the errno released operations fail with (0: none).
+fn hold_rig_failing(depth: usize) -> (Rig, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     let file = tempfile::NamedTempFile::new().unwrap();
     let pattern: Vec<u8> = (0..DISK_BYTES).map(|i| (i % 251) as u8).collect();
     std::fs::write(file.path(), &pattern).unwrap();
@@ -175,15 +192,65 @@ fn hold_rig(depth: usize) -> (Rig, Arc<AtomicUsize>) {
     };
     let disk = Arc::new(Backend::open(&config.disk, &OpenOptions::default()).unwrap());
     let release = Arc::new(AtomicUsize::new(0));
+    let fail = Arc::new(AtomicUsize::new(0));
     let engine = Box::new(HoldEngine {
         inner: disk.engine(EngineKind::Sync, 64).unwrap(),
         held: VecDeque::new(),
         release: release.clone(),
+        fail: fail.clone(),
         depth,
         in_flight: 0,
     });
     let rig = Rig::with_engine(&config, &disk, engine, depth, all_features(), file);
-    (rig, release)
+    (rig, release, fail)
+}
+
+#[test]
+fn a_failed_io_is_answered_ioerr() {
+    let (mut rig, release, fail) = hold_rig_failing(16);
+    fail.store(libc::EIO as usize, Ordering::SeqCst);
+    read_batch(&mut rig, 2);
+    release.store(2, Ordering::SeqCst);
+    rig.worker.settle();
+    assert_eq!(rig.used_idx(), 2);
+    for r in 0..2u16 {
+        let s: u8 = rig
+            .mem
+            .read_obj(GuestAddress(STATUS + u64::from(r)))
+            .unwrap();
+        assert_eq!(
+            s,
+            status::IOERR,
+            "read {r}: the status byte says the I/O failed"
+        );
+        assert_eq!(rig.used_elem(r), (u32::from(r) * 3, 1));
+    }
+    assert_eq!(rig.stats.failed.load(Ordering::Relaxed), 2);
+    assert!(
+        !rig.broken(),
+        "a failed I/O is an answer, not a broken ring"
+    );
+}
+
+#[test]
+fn a_head_offered_again_while_in_flight_stops_the_queue() {
+    let (mut rig, release) = hold_rig(16);
+    read_batch(&mut rig, 1);
+    step(&mut rig, 3);
+    assert_eq!(rig.worker.in_flight(), 1);
+    // The driver puts head 0 in the ring again before the device answered it.
+    rig.set_avail(rig.next_avail, 0);
+    rig.next_avail += 1;
+    rig.set_avail_idx(rig.next_avail);
+    step(&mut rig, 3);
+    assert!(rig.broken());
+    assert_eq!(rig.err.read().unwrap_or(0), 1);
+    // The first one still completes and is published.
+    release.store(10, Ordering::SeqCst);
+    rig.worker.settle();
+    assert_eq!(rig.used_idx(), 1);
+    check_reads(&rig, 1);
+    assert_eq!(rig.stop(), 1, "the repeated head is the next to process");
 }
 
 fn step(rig: &mut Rig, n: usize) {

@@ -175,13 +175,14 @@ impl Drop for WorkerHandle {
 
 /// One worker thread's state.
 pub(crate) struct Worker {
-    // Field order matters: queues (whose requests point into guest memory) and the engine
-    // (which waits for everything in flight when dropped) go before the memory.
+    // Field order matters. The engine goes first: dropping it waits for everything in
+    // flight, whose iovec arrays live in the queues' slots and whose buffers live in
+    // guest memory; then the queues, then the memory views.
+    engine: Box<dyn Engine>,
     queues: Vec<Queue>,
     /// Queues stopped while requests were still in flight (GET_VRING_BASE timed out):
     /// kept until the engine hands those requests back; nothing of them is published.
     zombies: Vec<Queue>,
-    engine: Box<dyn Engine>,
     id: usize,
     depth: usize,
     blk: Arc<Blk>,
@@ -224,9 +225,9 @@ impl Worker {
             )?;
         }
         Ok(Worker {
+            engine: setup.engine,
             queues: Vec::new(),
             zombies: Vec::new(),
-            engine: setup.engine,
             id: setup.id,
             depth: setup.depth,
             blk: setup.blk,
