@@ -1,9 +1,7 @@
 //! What a benchmark runs against: an embedded vblk device in this process, any
 //! vhost-user-blk socket, or (`--baseline`) the disk straight through a storage engine.
 
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -53,17 +51,14 @@ pub struct AttachOptions {
 }
 
 struct Embedded {
-    socket: PathBuf,
-    stop: Arc<AtomicBool>,
+    stop: Arc<device::Controls>,
     thread: Option<JoinHandle<()>>,
     _dir: tempfile::TempDir,
 }
 
 impl Drop for Embedded {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        // Wake the accept so the device sees the stop flag.
-        drop(UnixStream::connect(&self.socket));
+        self.stop.stop();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -97,7 +92,10 @@ impl Target {
                 cfg.threads = cfg.threads.clamp(1, usize::from(cfg.num_queues));
                 let dir = tempfile::tempdir().map_err(|e| format!("temp dir: {e}"))?;
                 let socket = dir.path().join("embedded.sock");
-                let stop = Arc::new(AtomicBool::new(false));
+                let stop = Arc::new(
+                    device::Controls::new()
+                        .map_err(|e| format!("cannot start the embedded device: {e}"))?,
+                );
                 let (tx, rx) = mpsc::channel();
                 let listen = device::Listen::Path(socket.clone());
                 let stop2 = stop.clone();
@@ -122,7 +120,6 @@ impl Target {
                     socket: Some(socket.clone()),
                     backend: None,
                     _embedded: Some(Embedded {
-                        socket,
                         stop,
                         thread: Some(thread),
                         _dir: dir,

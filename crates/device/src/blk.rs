@@ -16,8 +16,11 @@ use crate::config::{DeviceConfig, MAX_DISCARD_SECTORS, SEG_MAX, SIZE_MAX};
 /// the workers of one session.
 #[derive(Debug)]
 pub(crate) struct Blk {
-    /// Limits that do not depend on negotiation (capacity, segments, read-only).
+    /// Limits that do not depend on negotiation (segments, read-only); the capacity is
+    /// in `capacity`.
     pub base_limits: Limits,
+    /// Disk size in sectors (changes when the disk is resized).
+    pub capacity: AtomicU64,
     /// Virtio features offered.
     pub features: u64,
     /// Virtio features the driver acknowledged.
@@ -78,6 +81,7 @@ impl Blk {
             features |= feature::bit(feature::RO);
         }
         Blk {
+            capacity: AtomicU64::new(base_limits.capacity),
             base_limits,
             features,
             acked: AtomicU64::new(0),
@@ -95,6 +99,7 @@ impl Blk {
         let acked = self.acked.load(Ordering::Relaxed);
         let has = |f| acked & feature::bit(f) != 0;
         Limits {
+            capacity: self.capacity.load(Ordering::Relaxed),
             flush: has(feature::FLUSH),
             discard: has(feature::DISCARD),
             write_zeroes: has(feature::WRITE_ZEROES),
@@ -121,7 +126,7 @@ impl Blk {
         let limits = self.base_limits;
         let sectors_per_block = (self.blk_size >> SECTOR_SHIFT).max(1);
         BlkConfig {
-            capacity: limits.capacity,
+            capacity: self.capacity.load(Ordering::Relaxed),
             size_max: SIZE_MAX,
             seg_max: limits.seg_max,
             blk_size: self.blk_size,

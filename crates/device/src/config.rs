@@ -67,6 +67,8 @@ pub struct DeviceConfig {
     /// Most requests handed to the engine per submit call (0: one submit per pass; None:
     /// [`auto_submit_batch`] for the cache mode).
     pub submit_batch: Option<u32>,
+    /// Resizing: accept a disk that became smaller (I/O past its new end fails).
+    pub allow_shrink: bool,
     /// Files and block devices: image locking and the format probe.
     pub image: storage::ImageChecks,
 }
@@ -87,6 +89,7 @@ impl Default for DeviceConfig {
             cpus: Vec::new(),
             submit_batch: None,
             image: Default::default(),
+            allow_shrink: false,
         }
     }
 }

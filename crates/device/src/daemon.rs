@@ -1,19 +1,19 @@
 //! Listening for frontends: one at a time, and back to listening when one leaves.
 
 use std::io;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use log::{error, info, warn};
 use storage::{Backend, OpenOptions};
-use vhost::vhost_user::{BackendReqHandler, Error as VuError};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{ConfigError, DeviceConfig, Listen};
-use crate::session::Session;
+use crate::session::{Session, SessionEnd};
 
 /// Why the daemon could not start or had to stop.
 #[derive(Debug, thiserror::Error)]
@@ -39,17 +39,110 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// vhost-user-backend could not set up a connection.
+    /// A connection could not be set up.
     #[error("vhost-user: {0}")]
     VhostUser(String),
 }
 
-/// Serve the disk in `config` on `listen` until `stop` is set (checked between frontends)
+/// How the daemon is told to stop or to re-read its disk's size, from another thread or a
+/// signal handler thread: set a flag and wake the daemon's poll.
+#[derive(Debug)]
+pub struct Controls {
+    efd: EventFd,
+    stop: AtomicBool,
+    resize: AtomicBool,
+}
+
+impl Controls {
+    /// New controls (an eventfd).
+    pub fn new() -> io::Result<Controls> {
+        Ok(Controls {
+            efd: EventFd::new(EFD_NONBLOCK)?,
+            stop: AtomicBool::new(false),
+            resize: AtomicBool::new(false),
+        })
+    }
+
+    /// Stop: finish the requests in flight, flush, remove the socket, return.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.efd.write(1);
+    }
+
+    /// Re-read the disk's size and tell the frontend if it changed.
+    pub fn resize(&self) {
+        self.resize.store(true, Ordering::SeqCst);
+        let _ = self.efd.write(1);
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    fn take_resize(&self) -> bool {
+        self.resize.swap(false, Ordering::SeqCst)
+    }
+}
+
+/// Re-read the disk's size (SIGHUP); tell the frontend if it changed.
+fn resize(disk: &Backend, config: &DeviceConfig, session: Option<&mut Session>) {
+    match disk.refresh_size(config.allow_shrink) {
+        Ok((old, new)) if old == new => info!("resize: the disk is still {new} bytes"),
+        Ok((old, new)) => {
+            info!("resize: the disk is now {new} bytes (was {old})");
+            if let Some(s) = session {
+                s.capacity_changed(new >> proto::wire::SECTOR_SHIFT);
+            }
+        }
+        Err(e) => error!("resize refused: {e}"),
+    }
+}
+
+/// What woke the daemon up.
+enum Wake {
+    Socket,
+    Controls,
+}
+
+/// Wait until `fd` is readable or the controls fire.
+fn wait(fd: RawFd, controls: &Controls) -> io::Result<Wake> {
+    let mut fds = [
+        libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: controls.efd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    loop {
+        // SAFETY: two live pollfd structures.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if fds[1].revents != 0 {
+            let _ = controls.efd.read();
+            return Ok(Wake::Controls);
+        }
+        return Ok(Wake::Socket);
+    }
+}
+
+/// Serve the disk in `config` on `listen` until `controls` says stop (then the requests
+/// in flight finish, a write cache is flushed and a socket the daemon created is removed)
 /// or a fatal error happens. `ready` is called once the socket listens.
 pub fn serve(
     config: &DeviceConfig,
     listen: &Listen,
-    stop: &AtomicBool,
+    controls: &Controls,
     ready: &mut dyn FnMut(),
 ) -> Result<(), Error> {
     config.validate()?;
@@ -75,19 +168,47 @@ pub fn serve(
         config.num_queues, config.queue_size, config.threads, config.engine, config.poll_us
     );
     ready();
-    while !stop.load(Ordering::Relaxed) {
+    let result = accept_loop(config, &disk, &listener, listen, controls);
+    if let Err(e) = disk.flush() {
+        error!("flushing the disk at exit failed: {e}");
+    }
+    if let Listen::Path(p) = listen {
+        if let Err(e) = std::fs::remove_file(p) {
+            warn!("cannot remove the socket {}: {e}", p.display());
+        }
+    }
+    result
+}
+
+fn accept_loop(
+    config: &DeviceConfig,
+    disk: &Arc<Backend>,
+    listener: &UnixListener,
+    listen: &Listen,
+    controls: &Controls,
+) -> Result<(), Error> {
+    let listen_err = |source| Error::Listen {
+        path: describe(listen),
+        source,
+    };
+    while !controls.stopping() {
+        match wait(listener.as_raw_fd(), controls).map_err(listen_err)? {
+            Wake::Controls => {
+                if controls.take_resize() {
+                    resize(disk, config, None);
+                }
+                continue;
+            }
+            Wake::Socket => {}
+        }
         let stream = match listener.accept() {
             Ok((stream, _)) => stream,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                return Err(Error::Listen {
-                    path: describe(listen),
-                    source: e,
-                })
-            }
+            Err(e) => return Err(listen_err(e)),
         };
-        serve_one(config, &disk, stream)?;
+        serve_one(config, disk, stream, controls)?;
     }
+    info!("stopping");
     Ok(())
 }
 
@@ -98,19 +219,39 @@ fn describe(listen: &Listen) -> String {
     }
 }
 
-/// Serve one frontend until it disconnects (or breaks the protocol).
-fn serve_one(config: &DeviceConfig, disk: &Arc<Backend>, stream: UnixStream) -> Result<(), Error> {
+/// Serve one frontend until it disconnects, breaks the protocol, or the daemon stops.
+fn serve_one(
+    config: &DeviceConfig,
+    disk: &Arc<Backend>,
+    mut stream: UnixStream,
+    controls: &Controls,
+) -> Result<(), Error> {
     let conn = stream
         .try_clone()
         .map_err(|e| Error::VhostUser(format!("cannot clone the connection: {e}")))?;
-    let session = Arc::new(Mutex::new(Session::new(config, disk, conn)?));
-    let mut handler = BackendReqHandler::from_stream(stream, session.clone());
+    let mut session = Session::new(config, disk, conn)?;
     info!("frontend connected");
     loop {
-        match handler.handle_request() {
+        match wait(stream.as_raw_fd(), controls) {
+            Ok(Wake::Socket) => {}
+            Ok(Wake::Controls) => {
+                if controls.stopping() {
+                    session.shutdown();
+                    break;
+                }
+                if controls.take_resize() {
+                    resize(disk, config, Some(&mut session));
+                }
+                continue;
+            }
+            Err(e) => {
+                warn!("frontend session ended: poll failed: {e}");
+                break;
+            }
+        }
+        match session.handle(&mut stream) {
             Ok(()) => {}
-            // A frontend that closes its socket (a VM shutting down) is the normal way out.
-            Err(VuError::Disconnected | VuError::PartialMessage) => {
+            Err(SessionEnd::Disconnected) => {
                 info!("frontend disconnected");
                 break;
             }
@@ -119,23 +260,17 @@ fn serve_one(config: &DeviceConfig, disk: &Arc<Backend>, stream: UnixStream) -> 
                 break;
             }
         }
-        if lock(&session).poisoned() {
+        if session.poisoned() {
             error!("the frontend truncated guest memory under the device; connection closed");
             break;
         }
     }
-    drop(handler);
-    let session = lock(&session);
-    for (q, done, bad, failed) in session.counters() {
+    let counters = session.counters();
+    drop(session);
+    for (q, done, bad, failed) in counters {
         info!("queue {q}: {done} requests completed, {bad} rejected, {failed} failed");
     }
     Ok(())
-}
-
-/// A poisoned lock means a thread panicked while holding the session; its state is
-/// still consistent message by message, so carry on.
-fn lock(m: &Mutex<Session>) -> MutexGuard<'_, Session> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn make_listener(listen: &Listen) -> Result<UnixListener, Error> {

@@ -5,6 +5,8 @@
 //! - `blk`: what the device offers: features, configuration space, request limits.
 //! - [`daemon`]: listening (a path or an inherited fd), one frontend at a time, going back
 //!   to listening when it leaves.
+//! - `wire`: vhost-user messages on the socket: framing, file descriptors, replies, and
+//!   the backend channel.
 //! - `session`: one frontend connection — the vhost-user control plane, each message
 //!   checked before it changes anything; rings started and stopped; memory tables.
 //! - `memory`: guest memory regions, checked (`fstat`, overlaps, slots) and mapped; the
@@ -31,7 +33,9 @@ mod session;
 mod sigbus;
 #[cfg(test)]
 mod tests;
+mod wire;
 mod worker;
 
 pub use config::{DeviceConfig, Listen};
+pub use daemon::Controls;
 pub use daemon::{serve, Error};

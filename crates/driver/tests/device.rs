@@ -1,7 +1,6 @@
 //! The driver against vblk's own device, in one process over a Unix socket in a temp dir.
 
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -18,8 +17,8 @@ fn start(config: DeviceConfig) -> (tempfile::TempDir, PathBuf) {
     let listen = Listen::Path(sock.clone());
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
-        static STOP: AtomicBool = AtomicBool::new(false);
-        let r = device::serve(&config, &listen, &STOP, &mut || tx.send(()).unwrap());
+        let controls = device::Controls::new().unwrap();
+        let r = device::serve(&config, &listen, &controls, &mut || tx.send(()).unwrap());
         if let Err(e) = r {
             panic!("device failed: {e}");
         }

@@ -10,7 +10,7 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::str::FromStr;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::bounce::{probe_dio, DioAlign, DioProbe};
@@ -138,7 +138,8 @@ pub struct Backend {
     path: Option<PathBuf>,
     file: Option<File>,
     map: Option<MemMap>,
-    size: u64,
+    /// Bytes; changes only through [`Backend::refresh_size`].
+    size: AtomicU64,
     logical_block_size: u32,
     dio: Option<DioAlign>,
     read_only: bool,
@@ -175,7 +176,7 @@ impl Backend {
             path: None,
             file: None,
             map: None,
-            size,
+            size: AtomicU64::new(size),
             logical_block_size: SECTOR_SIZE as u32,
             dio: None,
             read_only: opts.read_only,
@@ -192,7 +193,53 @@ impl Backend {
 
     /// Size in bytes; always a multiple of 512.
     pub fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Relaxed)
+    }
+
+    /// Read the size of the file or block device again (it may have been grown or shrunk
+    /// by someone else, e.g. `truncate` or `lvextend`), and use it from now on unless it
+    /// shrank and `allow_shrink` is false. Returns (old, new) sizes in bytes.
+    pub fn refresh_size(&self, allow_shrink: bool) -> Result<(u64, u64), Error> {
+        let old = self.size();
+        let path = self.path.clone().unwrap_or_default();
+        let new = match (self.kind, self.file.as_ref()) {
+            (BackendKind::File, Some(f)) => f
+                .metadata()
+                .map_err(|source| Error::Io {
+                    path: path.clone(),
+                    op: "fstat",
+                    source,
+                })?
+                .len(),
+            (BackendKind::BlockDevice, Some(f)) => {
+                let mut bytes: u64 = 0;
+                // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points
+                // to a live local.
+                let rc = unsafe { libc::ioctl(f.as_raw_fd(), BLKGETSIZE64, &mut bytes) };
+                if rc != 0 {
+                    return Err(Error::Io {
+                        path,
+                        op: "ioctl(BLKGETSIZE64)",
+                        source: io::Error::last_os_error(),
+                    });
+                }
+                bytes
+            }
+            _ => return Err(Error::Resize { kind: self.kind }),
+        };
+        let block = u64::from(self.logical_block_size);
+        if !new.is_multiple_of(block) {
+            return Err(Error::UnalignedFile {
+                path,
+                size: new,
+                block: self.logical_block_size,
+            });
+        }
+        if new < old && !allow_shrink {
+            return Err(Error::Shrink { path, old, new });
+        }
+        self.size.store(new, Ordering::Relaxed);
+        Ok((old, new))
     }
 
     /// 512, or what O_DIRECT needs for offsets and lengths on this file or device
@@ -258,6 +305,17 @@ impl Backend {
         }
     }
 
+    /// Make every completed write durable (`fdatasync`); nothing to do for RAM and null
+    /// disks. For a clean shutdown: engines flush only when asked.
+    pub fn flush(&self) -> io::Result<()> {
+        match (self.kind, self.read_only) {
+            (BackendKind::File | BackendKind::BlockDevice, false) => {
+                crate::sysio::fdatasync(self.fd())
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The descriptor engines do I/O on; -1 for a null disk (which never uses it).
     pub(crate) fn fd(&self) -> RawFd {
         self.raw_fd().unwrap_or(-1)
@@ -279,7 +337,7 @@ impl fmt::Debug for Backend {
         f.debug_struct("Backend")
             .field("kind", &self.kind)
             .field("path", &self.path)
-            .field("size", &self.size)
+            .field("size", &self.size())
             .field("logical_block_size", &self.logical_block_size)
             .field("read_only", &self.read_only)
             .field("cache", &self.cache)
@@ -415,7 +473,7 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
         path: Some(path.to_owned()),
         file: Some(file),
         map: None,
-        size,
+        size: AtomicU64::new(size),
         logical_block_size,
         dio,
         read_only: opts.read_only,

@@ -95,6 +95,22 @@ pub enum Error {
         /// The block size it must be a multiple of: 512, or the O_DIRECT block size.
         block: u32,
     },
+    /// A resize was asked of a disk whose size is fixed.
+    #[error("a {kind:?} disk has a fixed size; only files and block devices can be resized")]
+    Resize {
+        /// What the disk is.
+        kind: crate::BackendKind,
+    },
+    /// The file or device shrank and shrinking was not allowed.
+    #[error("{} shrank from {old} to {new} bytes; refusing to shrink the disk under the guest (--allow-shrink allows it)", path.display())]
+    Shrink {
+        /// The file or device.
+        path: PathBuf,
+        /// The size in use, in bytes.
+        old: u64,
+        /// The size found now.
+        new: u64,
+    },
     /// `cache=none` on a file system that has no O_DIRECT.
     #[error("{}: the file system does not support O_DIRECT (cache=none); use cache=writeback", path.display())]
     DirectUnsupported {

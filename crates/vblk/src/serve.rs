@@ -2,11 +2,11 @@
 
 use std::error::Error;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
 use device::config::{DEFAULT_NUM_QUEUES, DEFAULT_POLL_US, DEFAULT_QUEUE_SIZE};
-use device::{DeviceConfig, Listen};
+use device::{Controls, DeviceConfig, Listen};
 use storage::{CacheMode, DiskSpec, EngineKind, Format, ImageChecks, ImageLock};
 
 /// Serve a disk as a vhost-user-blk device.
@@ -21,6 +21,11 @@ use storage::{CacheMode, DiskSpec, EngineKind, Format, ImageChecks, ImageLock};
 ///   qemu-system-x86_64 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on
 ///     -numa node,memdev=mem -chardev socket,id=vblk0,path=/tmp/vblk.sock
 ///     -device vhost-user-blk-pci,chardev=vblk0,num-queues=2 ...
+///
+/// Signals: SIGTERM or SIGINT stops the daemon cleanly: no new requests are taken, those
+/// in flight finish, the disk is flushed, the socket it created is removed, and it exits 0
+/// (a second signal exits at once). SIGHUP re-reads the size of the file or block device
+/// and, if it grew, tells the frontend (QEMU passes it to the guest, whose /dev/vda grows).
 #[derive(Debug, Args)]
 #[command(verbatim_doc_comment)]
 pub struct ServeArgs {
@@ -120,6 +125,12 @@ pub struct ServeArgs {
     /// submit call, so big batches delay their tail), 0 with the page cache].
     #[arg(long, value_name = "N")]
     pub submit_batch: Option<u32>,
+
+    /// On SIGHUP (re-read the disk's size), accept a file or block device that became
+    /// smaller [default: refused with a log line, the old size stays in force]. I/O past
+    /// the new end then fails with IOERR.
+    #[arg(long)]
+    pub allow_shrink: bool,
 }
 
 /// `--image-lock`.
@@ -192,6 +203,7 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             poll_us: a.poll_us,
             cpus: a.cpus.map(|c| c.0).unwrap_or_default(),
             submit_batch: a.submit_batch,
+            allow_shrink: a.allow_shrink,
             image: ImageChecks {
                 lock: match a.image_lock {
                     LockArg::On => ImageLock::On,
@@ -212,8 +224,60 @@ pub fn run(args: ServeArgs) -> Result<(), Box<dyn Error>> {
         return Ok(());
     }
     let (config, listen) = <(DeviceConfig, Listen)>::try_from(args)?;
-    let stop = AtomicBool::new(false);
-    device::serve(&config, &listen, &stop, &mut || {})?;
+    let controls = Arc::new(Controls::new()?);
+    handle_signals(controls.clone())?;
+    device::serve(&config, &listen, &controls, &mut || {})?;
+    log::info!("stopped");
+    Ok(())
+}
+
+/// SIGTERM and SIGINT stop the daemon cleanly (a second one exits at once, status 130);
+/// SIGHUP makes it re-read the disk's size. The signals are blocked in every thread and
+/// taken by one thread with `sigwait`, so no signal handler runs inside the daemon.
+fn handle_signals(controls: Arc<Controls>) -> std::io::Result<()> {
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a live sigset_t; the signal numbers are valid. pthread_sigmask on
+    // the calling (main) thread before any other thread starts, so all inherit the mask.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            libc::sigaddset(&mut set, sig);
+        }
+        let r = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        if r != 0 {
+            return Err(std::io::Error::from_raw_os_error(r));
+        }
+    }
+    std::thread::Builder::new()
+        .name("vblk-signals".into())
+        .spawn(move || {
+            let mut stopping = false;
+            loop {
+                let mut sig: libc::c_int = 0;
+                // SAFETY: `set` holds blocked signals; `sig` is a live out-parameter.
+                if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                    continue;
+                }
+                match sig {
+                    libc::SIGHUP => {
+                        log::info!("SIGHUP: re-reading the disk's size");
+                        controls.resize();
+                    }
+                    _ if stopping => {
+                        log::warn!("second stop signal: exiting now");
+                        std::process::exit(130);
+                    }
+                    _ => {
+                        log::info!(
+                            "signal {sig}: stopping (requests in flight finish, the disk is flushed)"
+                        );
+                        stopping = true;
+                        controls.stop();
+                    }
+                }
+            }
+        })?;
     Ok(())
 }
 

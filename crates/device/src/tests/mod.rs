@@ -5,7 +5,9 @@
 //! - `unanswerable`: chains with no trustworthy status byte, which must stop their queue
 //!   and never reach the used ring;
 //! - `rings`: notification suppression, engine backpressure, stopping a ring with requests
-//!   in flight, new memory tables, configuration space.
+//!   in flight, new memory tables;
+//! - `session`: the control plane through the socket: configuration space, features, the
+//!   backend channel's config-change message.
 //!
 //! Each request case checks the exact status and used length, that guest memory outside
 //! the request's writable bytes and the used ring is untouched, and that the disk holds
@@ -13,6 +15,7 @@
 
 mod requests;
 mod rings;
+mod session;
 mod unanswerable;
 
 use std::fs::File;

@@ -3,16 +3,12 @@
 //! configuration space.
 
 use std::collections::VecDeque;
-use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use storage::{Completion, Full, Op};
-use vhost::vhost_user::message::VhostUserConfigFlags;
-use vhost::vhost_user::VhostUserBackendReqHandlerMut;
 
 use super::*;
-use crate::session::Session;
 
 fn notifications(call: &EventFd) -> u64 {
     call.read().unwrap_or(0)
@@ -368,88 +364,6 @@ fn a_memory_table_without_the_ring_stops_the_queue() {
     rig.ask(|reply| Command::Memory { mem: gm, reply });
     assert!(rig.broken());
     assert_eq!(rig.err.read().unwrap_or(0), 1);
-}
-
-// ---- configuration space ----
-
-fn session(read_only: bool) -> (Session, tempfile::NamedTempFile) {
-    let file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(file.path(), vec![0u8; DISK_BYTES as usize]).unwrap();
-    let config = DeviceConfig {
-        disk: DiskSpec::File(file.path().to_path_buf()),
-        read_only,
-        num_queues: 2,
-        poll_us: 0,
-        ..Default::default()
-    };
-    let disk = Arc::new(
-        Backend::open(
-            &config.disk,
-            &OpenOptions {
-                read_only,
-                ..Default::default()
-            },
-        )
-        .unwrap(),
-    );
-    let (a, _b) = UnixStream::pair().unwrap();
-    (Session::new(&config, &disk, a).unwrap(), file)
-}
-
-#[test]
-fn driver_write_of_writeback_through_set_config_takes_effect() {
-    let (mut s, _f) = session(false);
-    let flags = VhostUserConfigFlags::WRITABLE;
-    let wb = |s: &mut Session| {
-        s.get_config(proto::config::WRITEBACK_OFFSET as u32, 1, flags)
-            .unwrap()[0]
-    };
-    s.set_features(all_features() | feature::bit(feature::VERSION_1))
-        .unwrap();
-    assert_eq!(wb(&mut s), 1, "writeback by default");
-    s.set_config(32, &[0], flags).unwrap();
-    assert_eq!(wb(&mut s), 0, "the driver switched to writethrough");
-    s.set_config(32, &[1], flags).unwrap();
-    assert_eq!(wb(&mut s), 1);
-    // Other fields are read-only.
-    assert!(s.set_config(0, &[0; 8], flags).is_err());
-    assert_eq!(
-        s.get_config(0, 8, flags).unwrap(),
-        CAPACITY.to_le_bytes().to_vec(),
-        "capacity unchanged"
-    );
-    // Without CONFIG_WCE the write is ignored.
-    let (mut s, _f) = session(false);
-    s.set_features(all_features() & !feature::bit(feature::CONFIG_WCE))
-        .unwrap();
-    s.set_config(32, &[0], flags).unwrap();
-    assert_eq!(wb(&mut s), 1);
-}
-
-#[test]
-fn config_space_reports_the_disk_and_limits() {
-    let (mut s, _f) = session(false);
-    let flags = VhostUserConfigFlags::WRITABLE;
-    let bytes = s
-        .get_config(0, proto::config::CONFIG_LEN as u32, flags)
-        .unwrap();
-    let c = proto::BlkConfig::from_bytes(&bytes);
-    assert_eq!(c.capacity, CAPACITY);
-    assert_eq!(
-        c.seg_max,
-        crate::config::SEG_MAX,
-        "whatever queue size comes"
-    );
-    assert_eq!(c.size_max, crate::config::SIZE_MAX);
-    assert_eq!(c.blk_size, 512);
-    assert_eq!(c.num_queues, 2);
-    assert_eq!((c.max_discard_seg, c.max_write_zeroes_seg), (1, 1));
-    assert!(c.max_discard_sectors > 0 && c.max_write_zeroes_sectors > 0);
-    assert_eq!(c.write_zeroes_may_unmap, 1);
-    // Reads past the defined fields are zero-filled; absurd ranges are refused.
-    assert_eq!(s.get_config(72, 24, flags).unwrap(), vec![0; 24]);
-    assert!(s.get_config(u32::MAX, 4, flags).is_err());
-    assert_eq!(s.get_queue_num().unwrap(), 2);
 }
 
 // ---- notification suppression ----

@@ -1,19 +1,21 @@
 //! One frontend connection: the vhost-user control plane of the device.
 //!
-//! The `vhost` crate frames and decodes messages ([`vhost::vhost_user::BackendReqHandler`]);
-//! this module is the handler. Each message is checked at the top, before any state
-//! changes, and refused with a message that says what was expected and what came: a queue
-//! index past the queues offered, a size that is zero, not a power of two or above the
-//! maximum, ring addresses outside guest memory, features that were not offered, memory
-//! regions that overlap or reach past their file, more regions than GET_MAX_MEM_SLOTS said.
-//! A refusal ends the connection (the daemon then serves the next frontend), because a
-//! frontend that sent one cannot be trusted to agree with the device about any state.
+//! `messages` decodes each request (`wire` frames them) and calls the methods here. Each
+//! is checked at the top, before any state changes, and refused with a message that says
+//! what was expected and what came: a queue index past the queues offered, a size that is
+//! zero, not a power of two or above the maximum, ring addresses outside guest memory,
+//! features that were not offered, memory regions that overlap or reach past their file,
+//! more regions than GET_MAX_MEM_SLOTS said. A refusal ends the connection (the daemon
+//! then serves the next frontend), because a frontend that sent one cannot be trusted to
+//! agree with the device about any state.
 //!
 //! Rings: a ring starts when it has a size, addresses, memory and a kick fd
 //! (SET_VRING_KICK), and is handed to its worker; it stops on GET_VRING_BASE, which waits
 //! for its requests to finish and answers the next available index. The eventfds the
 //! frontend passes are made non-blocking: a saturated call eventfd or a full pipe never
 //! blocks a worker.
+
+mod messages;
 
 use std::fs::File;
 use std::io;
@@ -27,31 +29,28 @@ use proto::config::WRITEBACK_OFFSET;
 use proto::wire::feature;
 use proto::RingInfo;
 use storage::Backend;
-use vhost::vhost_user::message::{
-    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserConfigFlags, VhostUserInflight,
-    VhostUserLog, VhostUserMemoryRegion, VhostUserProtocolFeatures, VhostUserShMemConfig,
-    VhostUserSharedMsg, VhostUserSingleMemoryRegion, VhostUserVirtioFeatures,
-    VhostUserVringAddrFlags, VhostUserVringState,
-};
-use vhost::vhost_user::{
-    Error as VuError, GpuBackend, Result as VuResult, VhostUserBackendReqHandlerMut,
-};
-use vhost::VhostUserMemoryRegionBase;
 
 use crate::blk::Blk;
 use crate::config::DeviceConfig;
-use crate::memory::{GuestMemory, RegionDesc, MAX_MEM_SLOTS};
+use crate::memory::{GuestMemory, RegionDesc};
 use crate::ring::{DeviceRing, RingAddrs};
+use crate::wire::{protocol, BackendChannel};
 use crate::worker::{indirect_acked, Command, QueueStart, QueueStats, WorkerHandle, WorkerSetup};
+
+pub(crate) use messages::SessionEnd;
 
 /// Most requests one worker's engine holds at once; chains beyond wait in their rings.
 const MAX_ENGINE_DEPTH: usize = 4096;
 
-/// A refusal: logged with its reason, then returned to the `vhost` crate (which NACKs it
-/// when REPLY_ACK was negotiated) and ends the connection.
-fn refuse(msg: String) -> VuError {
-    warn!("frontend request refused: {msg}");
-    VuError::ReqHandlerError(io::Error::other(msg))
+/// Why a request was refused (NACKed when REPLY_ACK was negotiated; ends the connection).
+#[derive(Debug)]
+pub(crate) struct Refusal(pub String);
+
+/// The result of a request's handler.
+type Answer<T> = Result<T, Refusal>;
+
+fn refuse(msg: String) -> Refusal {
+    Refusal(msg)
 }
 
 /// What the frontend has told us about one vring.
@@ -77,6 +76,8 @@ pub(crate) struct Session {
     owner: bool,
     features_set: bool,
     acked_protocol: u64,
+    /// The backend channel (SET_BACKEND_REQ_FD), for config-change messages.
+    backend: Option<BackendChannel>,
     mem: Arc<GuestMemory>,
     poison: Arc<AtomicBool>,
     vrings: Vec<Vring>,
@@ -129,12 +130,40 @@ impl Session {
             owner: false,
             features_set: false,
             acked_protocol: 0,
+            backend: None,
             mem: Arc::new(GuestMemory::empty()),
             poison,
             vrings: (0..num_queues).map(|_| Vring::default()).collect(),
             workers,
             stats: (0..num_queues).map(|_| Arc::default()).collect(),
         })
+    }
+
+    /// The disk now has `sectors` sectors: publish the new capacity and tell the frontend
+    /// through the backend channel (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG), which QEMU
+    /// turns into a virtio config-change interrupt.
+    pub(crate) fn capacity_changed(&mut self, sectors: u64) {
+        self.blk.capacity.store(sectors, Ordering::Relaxed);
+        let config = self.acked_protocol & protocol::CONFIG != 0;
+        match (&mut self.backend, config) {
+            (Some(ch), true) => match ch.config_changed() {
+                Ok(()) => info!("told the frontend the capacity is now {sectors} sectors"),
+                Err(e) => warn!("cannot tell the frontend about the new capacity: {e}"),
+            },
+            _ => warn!(
+                "the frontend set up no backend channel (BACKEND_REQ and CONFIG): it sees the new capacity of {sectors} sectors only when it reads the configuration again"
+            ),
+        }
+    }
+
+    /// Stop every running ring, letting its requests finish (a clean shutdown).
+    pub(crate) fn shutdown(&mut self) {
+        for i in 0..self.vrings.len() {
+            if self.vrings[i].started {
+                let next = self.stop(i);
+                info!("queue {i}: stopped for shutdown at available index {next}");
+            }
+        }
     }
 
     /// Whether the SIGBUS guard caught the frontend truncating guest memory.
@@ -163,7 +192,7 @@ impl Session {
         &self.workers[queue % self.threads]
     }
 
-    fn vring(&mut self, index: u32, what: &str) -> VuResult<&mut Vring> {
+    fn vring(&mut self, index: u32, what: &str) -> Answer<&mut Vring> {
         let n = self.vrings.len();
         self.vrings.get_mut(index as usize).ok_or_else(|| {
             refuse(format!(
@@ -173,14 +202,11 @@ impl Session {
     }
 
     fn protocol_acked(&self) -> bool {
-        self.features_set
-            && self.blk.acked.load(Ordering::Relaxed)
-                & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
-                != 0
+        self.features_set && self.blk.acked(feature::VHOST_USER_PROTOCOL_FEATURES)
     }
 
     /// Start ring `index` if everything it needs has arrived.
-    fn try_start(&mut self, index: usize) -> VuResult<()> {
+    fn try_start(&mut self, index: usize) -> Answer<()> {
         let protocol = self.protocol_acked();
         let event_idx = self.blk.acked(feature::RING_EVENT_IDX);
         let indirect = indirect_acked(&self.blk);
@@ -249,7 +275,7 @@ impl Session {
         }
     }
 
-    fn set_nonblocking(f: &File, what: &str) -> VuResult<()> {
+    fn set_nonblocking(f: &File, what: &str) -> Answer<()> {
         let fd = f.as_raw_fd();
         // SAFETY: fcntl on a descriptor we own; F_GETFL/F_SETFL take no pointers.
         let ok = unsafe {
@@ -267,8 +293,9 @@ impl Session {
     }
 }
 
-impl VhostUserBackendReqHandlerMut for Session {
-    fn set_owner(&mut self) -> VuResult<()> {
+/// The requests, one method each (decoded by `messages`).
+impl Session {
+    fn set_owner(&mut self) -> Answer<()> {
         if self.owner {
             return Err(refuse("SET_OWNER: the session already has an owner".into()));
         }
@@ -276,7 +303,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         Ok(())
     }
 
-    fn reset_owner(&mut self) -> VuResult<()> {
+    fn reset_owner(&mut self) -> Answer<()> {
         for i in 0..self.vrings.len() {
             self.stop(i);
         }
@@ -287,15 +314,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         Ok(())
     }
 
-    fn reset_device(&mut self) -> VuResult<()> {
-        self.reset_owner()
-    }
-
-    fn get_features(&mut self) -> VuResult<u64> {
-        Ok(self.blk.features)
-    }
-
-    fn set_features(&mut self, features: u64) -> VuResult<()> {
+    fn set_features(&mut self, features: u64) -> Answer<()> {
         let unknown = features & !self.blk.features;
         if unknown != 0 {
             return Err(refuse(format!(
@@ -319,25 +338,15 @@ impl VhostUserBackendReqHandlerMut for Session {
         Ok(())
     }
 
-    fn set_mem_table(
-        &mut self,
-        regions: &[VhostUserMemoryRegion],
-        files: Vec<File>,
-        _postcopy: Option<bool>,
-    ) -> VuResult<Option<Vec<VhostUserMemoryRegionBase>>> {
-        let new = regions
-            .iter()
-            .map(region_desc)
-            .zip(files)
-            .collect::<Vec<_>>();
-        let mem = GuestMemory::replaced(new, &self.poison)
+    fn set_mem_table(&mut self, regions: Vec<(RegionDesc, File)>) -> Answer<()> {
+        let mem = GuestMemory::replaced(regions, &self.poison)
             .map_err(|e| refuse(format!("SET_MEM_TABLE: {e}")))?;
         info!("memory table: {} regions", mem.len());
         self.publish_memory(mem);
-        Ok(None)
+        Ok(())
     }
 
-    fn set_vring_num(&mut self, index: u32, num: u32) -> VuResult<()> {
+    fn set_vring_num(&mut self, index: u32, num: u32) -> Answer<()> {
         let max = self.blk.max_queue_size;
         let v = self.vring(index, "SET_VRING_NUM")?;
         if v.started {
@@ -352,15 +361,8 @@ impl VhostUserBackendReqHandlerMut for Session {
         Ok(())
     }
 
-    fn set_vring_addr(
-        &mut self,
-        index: u32,
-        _flags: VhostUserVringAddrFlags,
-        descriptor: u64,
-        used: u64,
-        available: u64,
-        _log: u64,
-    ) -> VuResult<()> {
+    /// SET_VRING_ADDR: the three parts' frontend addresses.
+    fn set_vring_addr(&mut self, index: u32, desc: u64, used: u64, avail: u64) -> Answer<()> {
         let mem = self.mem.clone();
         let v = self.vring(index, "SET_VRING_ADDR")?;
         if v.started {
@@ -374,14 +376,14 @@ impl VhostUserBackendReqHandlerMut for Session {
             })
         };
         v.addrs = Some(RingAddrs {
-            desc: gpa(descriptor, "descriptor table")?,
-            avail: gpa(available, "available ring")?,
+            desc: gpa(desc, "descriptor table")?,
+            avail: gpa(avail, "available ring")?,
             used: gpa(used, "used ring")?,
         });
         Ok(())
     }
 
-    fn set_vring_base(&mut self, index: u32, base: u32) -> VuResult<()> {
+    fn set_vring_base(&mut self, index: u32, base: u32) -> Answer<()> {
         let v = self.vring(index, "SET_VRING_BASE")?;
         if v.started {
             return Err(refuse(format!("SET_VRING_BASE: queue {index} is running")));
@@ -395,47 +397,45 @@ impl VhostUserBackendReqHandlerMut for Session {
         Ok(())
     }
 
-    fn get_vring_base(&mut self, index: u32) -> VuResult<VhostUserVringState> {
+    /// GET_VRING_BASE: stop the ring; the next available index.
+    fn get_vring_base(&mut self, index: u32) -> Answer<u16> {
         self.vring(index, "GET_VRING_BASE")?;
         let next = self.stop(index as usize);
         let v = &mut self.vrings[index as usize];
         v.kick = None;
         v.call = None;
         v.err = None;
-        Ok(VhostUserVringState::new(index, u32::from(next)))
+        Ok(next)
     }
 
-    fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
-        let index32 = u32::from(index);
-        let v = self.vring(index32, "SET_VRING_KICK")?;
+    fn set_vring_kick(&mut self, index: u32, fd: Option<File>) -> Answer<()> {
+        let v = self.vring(index, "SET_VRING_KICK")?;
         let Some(fd) = fd else {
             return Err(refuse(format!(
                 "SET_VRING_KICK: queue {index} without a kick fd (polling mode) is not supported"
             )));
         };
         Self::set_nonblocking(&fd, "SET_VRING_KICK")?;
+        let queue = index as usize;
         if v.started {
-            self.worker(usize::from(index)).send(Command::SetKick {
-                queue: usize::from(index),
-                fd,
-            });
+            self.worker(queue).send(Command::SetKick { queue, fd });
             return Ok(());
         }
         v.kick = Some(fd);
-        let r = self.try_start(usize::from(index));
+        let r = self.try_start(queue);
         if r.is_err() {
-            self.vrings[usize::from(index)].kick = None;
+            self.vrings[queue].kick = None;
         }
         r
     }
 
-    fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
-        let v = self.vring(u32::from(index), "SET_VRING_CALL")?;
+    fn set_vring_call(&mut self, index: u32, fd: Option<File>) -> Answer<()> {
+        let v = self.vring(index, "SET_VRING_CALL")?;
         if let Some(f) = &fd {
             Self::set_nonblocking(f, "SET_VRING_CALL")?;
         }
+        let queue = index as usize;
         if v.started {
-            let queue = usize::from(index);
             self.worker(queue).send(Command::SetCall { queue, fd });
         } else {
             v.call = fd;
@@ -443,13 +443,13 @@ impl VhostUserBackendReqHandlerMut for Session {
         Ok(())
     }
 
-    fn set_vring_err(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
-        let v = self.vring(u32::from(index), "SET_VRING_ERR")?;
+    fn set_vring_err(&mut self, index: u32, fd: Option<File>) -> Answer<()> {
+        let v = self.vring(index, "SET_VRING_ERR")?;
         if let Some(f) = &fd {
             Self::set_nonblocking(f, "SET_VRING_ERR")?;
         }
+        let queue = index as usize;
         if v.started {
-            let queue = usize::from(index);
             self.worker(queue).send(Command::SetErr { queue, fd });
         } else {
             v.err = fd;
@@ -457,12 +457,8 @@ impl VhostUserBackendReqHandlerMut for Session {
         Ok(())
     }
 
-    fn get_protocol_features(&mut self) -> VuResult<VhostUserProtocolFeatures> {
-        Ok(offered_protocol())
-    }
-
-    fn set_protocol_features(&mut self, features: u64) -> VuResult<()> {
-        let offered = offered_protocol().bits();
+    fn set_protocol_features(&mut self, features: u64) -> Answer<()> {
+        let offered = offered_protocol();
         if features & !offered != 0 {
             return Err(refuse(format!(
                 "SET_PROTOCOL_FEATURES {features:#x}: bits {:#x} were not offered ({offered:#x})",
@@ -473,11 +469,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         Ok(())
     }
 
-    fn get_queue_num(&mut self) -> VuResult<u64> {
-        Ok(self.vrings.len() as u64)
-    }
-
-    fn set_vring_enable(&mut self, index: u32, enable: bool) -> VuResult<()> {
+    fn set_vring_enable(&mut self, index: u32, enable: bool) -> Answer<()> {
         let v = self.vring(index, "SET_VRING_ENABLE")?;
         v.enabled = enable;
         if v.started {
@@ -490,12 +482,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         Ok(())
     }
 
-    fn get_config(
-        &mut self,
-        offset: u32,
-        size: u32,
-        _flags: VhostUserConfigFlags,
-    ) -> VuResult<Vec<u8>> {
+    fn get_config(&mut self, offset: u32, size: u32) -> Answer<Vec<u8>> {
         self.blk.config_space().read(offset, size).ok_or_else(|| {
             refuse(format!(
                 "GET_CONFIG: offset {offset} size {size} is out of range"
@@ -503,12 +490,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         })
     }
 
-    fn set_config(
-        &mut self,
-        offset: u32,
-        buf: &[u8],
-        _flags: VhostUserConfigFlags,
-    ) -> VuResult<()> {
+    fn set_config(&mut self, offset: u32, buf: &[u8]) -> Answer<()> {
         if offset as usize == WRITEBACK_OFFSET && buf.len() == 1 {
             if !self.blk.acked(feature::CONFIG_WCE) {
                 warn!("driver wrote writeback without negotiating CONFIG_WCE; ignored");
@@ -528,51 +510,22 @@ impl VhostUserBackendReqHandlerMut for Session {
         )))
     }
 
-    fn set_gpu_socket(&mut self, _gpu: GpuBackend) -> VuResult<()> {
-        Err(refuse("GPU_SET_SOCKET: not a GPU device".into()))
+    fn set_backend_req_fd(&mut self, sock: UnixStream) {
+        let reply_ack = self.acked_protocol & protocol::REPLY_ACK != 0;
+        self.backend = Some(BackendChannel::new(sock, reply_ack));
     }
 
-    fn get_shared_object(&mut self, _uuid: VhostUserSharedMsg) -> VuResult<File> {
-        Err(refuse("GET_SHARED_OBJECT: not supported".into()))
-    }
-
-    fn get_inflight_fd(
-        &mut self,
-        _inflight: &VhostUserInflight,
-    ) -> VuResult<(VhostUserInflight, File)> {
-        Err(refuse(
-            "GET_INFLIGHT_FD: inflight tracking was not offered".into(),
-        ))
-    }
-
-    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> VuResult<()> {
-        Err(refuse(
-            "SET_INFLIGHT_FD: inflight tracking was not offered".into(),
-        ))
-    }
-
-    fn get_max_mem_slots(&mut self) -> VuResult<u64> {
-        Ok(MAX_MEM_SLOTS as u64)
-    }
-
-    fn add_mem_region(
-        &mut self,
-        region: &VhostUserSingleMemoryRegion,
-        fd: File,
-        _postcopy: Option<bool>,
-    ) -> VuResult<Option<VhostUserMemoryRegionBase>> {
-        let d = region_desc(region);
+    fn add_mem_region(&mut self, d: RegionDesc, fd: File) -> Answer<()> {
         let mem = self
             .mem
             .with_region(d, fd, &self.poison)
             .map_err(|e| refuse(format!("ADD_MEM_REG: {e}")))?;
         debug!("memory region added at {:#x} + {:#x}", d.gpa, d.size);
         self.publish_memory(mem);
-        Ok(None)
+        Ok(())
     }
 
-    fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VuResult<()> {
-        let d = region_desc(region);
+    fn remove_mem_region(&mut self, d: RegionDesc) -> Answer<()> {
         let mem = self
             .mem
             .without_region(d.gpa, d.size)
@@ -580,42 +533,13 @@ impl VhostUserBackendReqHandlerMut for Session {
         self.publish_memory(mem);
         Ok(())
     }
-
-    fn set_device_state_fd(
-        &mut self,
-        _direction: VhostTransferStateDirection,
-        _phase: VhostTransferStatePhase,
-        _fd: File,
-    ) -> VuResult<Option<File>> {
-        Err(refuse("SET_DEVICE_STATE_FD: not supported".into()))
-    }
-
-    fn check_device_state(&mut self) -> VuResult<()> {
-        Err(refuse("CHECK_DEVICE_STATE: not supported".into()))
-    }
-
-    fn get_shmem_config(&mut self) -> VuResult<VhostUserShMemConfig> {
-        Err(refuse("GET_SHMEM_CONFIG: not supported".into()))
-    }
-
-    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VuResult<()> {
-        Err(refuse("SET_LOG_BASE: dirty logging was not offered".into()))
-    }
 }
 
 /// The vhost-user protocol features the device offers.
-fn offered_protocol() -> VhostUserProtocolFeatures {
-    VhostUserProtocolFeatures::MQ
-        | VhostUserProtocolFeatures::REPLY_ACK
-        | VhostUserProtocolFeatures::CONFIG
-        | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-}
-
-fn region_desc(r: &VhostUserMemoryRegion) -> RegionDesc {
-    RegionDesc {
-        gpa: r.guest_phys_addr,
-        size: r.memory_size,
-        user_addr: r.user_addr,
-        mmap_offset: r.mmap_offset,
-    }
+fn offered_protocol() -> u64 {
+    protocol::MQ
+        | protocol::REPLY_ACK
+        | protocol::CONFIG
+        | protocol::CONFIGURE_MEM_SLOTS
+        | protocol::BACKEND_REQ
 }
