@@ -9,7 +9,7 @@
 
 mod support;
 
-use support::util::{die_with_parent, stamp, stamp_sector, temp_dir, within, MAGIC};
+use support::util::{die_with_parent, stamp, stamp_sector, temp_dir, within, Rng, MAGIC};
 
 use std::collections::HashMap;
 use std::fs;
@@ -241,22 +241,6 @@ fn mismatch(got: &[u8], want: &[u8], lba: u64) -> Option<String> {
         describe(w),
         describe(g)
     ))
-}
-
-/// xorshift64: deterministic, so a failure reproduces.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 // ---- I/O helpers ----

@@ -231,6 +231,66 @@ impl Daemon {
             );
         }
     }
+
+    /// `vblk serve`'s per-queue summary of frontend connection `nth` (1-based), logged when
+    /// it ends: (queue, completed, rejected, failed) for each queue that saw requests. Waits
+    /// up to 20 s for `queues` of them.
+    pub fn queue_summary(&self, nth: usize, queues: usize) -> Vec<(usize, u64, u64, u64)> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let log = fs::read_to_string(&self.log).unwrap_or_default();
+            let after = log.split("frontend disconnected").nth(nth).unwrap_or("");
+            let lines: Vec<_> = after.lines().filter_map(parse_summary).collect();
+            if lines.len() >= queues {
+                return lines;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no summary of {queues} queue(s) for connection {nth} after 20 s\n{}",
+                self.describe()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The log's lines at level WARN or ERROR.
+    pub fn warnings(&self) -> Vec<String> {
+        let log = fs::read_to_string(&self.log).unwrap_or_default();
+        log.lines()
+            .filter(|l| {
+                let level = l.split(']').next().unwrap_or("");
+                level.contains(" WARN") || level.contains(" ERROR")
+            })
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+/// `queue 0: 74 requests completed, 0 rejected, 0 failed` (after the log line's header).
+fn parse_summary(line: &str) -> Option<(usize, u64, u64, u64)> {
+    let rest = line.split("] queue ").nth(1)?;
+    let (q, counts) = rest.split_once(": ")?;
+    let n: Vec<u64> = counts
+        .split(", ")
+        .map(|c| c.split(' ').next()?.parse().ok())
+        .collect::<Option<_>>()?;
+    match n[..] {
+        [done, rejected, failed] if counts.contains("requests completed") => {
+            Some((q.parse().ok()?, done, rejected, failed))
+        }
+        _ => None,
+    }
+}
+
+/// Prints the daemon's command line and log if the test fails while this lives.
+pub struct ShowLogOnPanic<'a>(pub &'a Daemon);
+
+impl Drop for ShowLogOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("{}", self.0.describe());
+        }
+    }
 }
 
 impl Drop for Daemon {

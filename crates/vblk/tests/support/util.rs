@@ -107,3 +107,79 @@ pub fn run_to_exit(mut cmd: Command, limit: Duration) -> std::process::Output {
     }
     child.wait_with_output().expect("wait")
 }
+
+/// In a model of a disk (one `u32` per sector): the sector was discarded, and may read as
+/// zeroes or as the write id in the other bits. 0 means zeroes, any other id `stamp(id, lba)`.
+pub const DISCARDED: u32 = 1 << 31;
+
+static ZERO_SECTOR: [u8; SECTOR_BYTES] = [0; SECTOR_BYTES];
+
+/// None if every sector of `got`, which starts at sector `lba`, is what `model` says (see
+/// [`DISCARDED`]); else the first sector that is not, what it holds and how many more differ.
+pub fn check_stamped(got: &[u8], model: &[u32], lba: u64) -> Option<String> {
+    let mut want = [0u8; SECTOR_BYTES];
+    let mut bad = got
+        .chunks(SECTOR_BYTES)
+        .zip(model)
+        .enumerate()
+        .filter(|&(i, (g, &m))| {
+            let id = m & !DISCARDED;
+            if g == ZERO_SECTOR && (id == 0 || m & DISCARDED != 0) {
+                return false;
+            }
+            if id == 0 {
+                return true;
+            }
+            stamp_sector(&mut want, id, lba + i as u64);
+            g != want
+        });
+    let (i, (g, &m)) = bad.next()?;
+    let more = bad.count();
+    let expected = match (m & !DISCARDED, m & DISCARDED != 0) {
+        (0, _) => "zeroes".to_string(),
+        (id, false) => format!("write #{id:#x}"),
+        (id, true) => format!("zeroes or write #{id:#x} (discarded)"),
+    };
+    let at = lba + i as u64;
+    let found = describe_sector(g);
+    Some(format!(
+        "sector {at} (and {more} more) holds {found}, expected {expected}"
+    ))
+}
+
+/// What a sector holds, in words: zeroes, a write's stamp for some sector, or other bytes.
+pub fn describe_sector(s: &[u8]) -> String {
+    if s == ZERO_SECTOR {
+        return "zeroes".into();
+    }
+    if &s[..4] != MAGIC {
+        return format!("unstamped bytes {:02x?}...", &s[..16]);
+    }
+    let id = u32::from_le_bytes(s[4..8].try_into().unwrap());
+    let lba = u64::from_le_bytes(s[8..16].try_into().unwrap());
+    let mut want = [0u8; SECTOR_BYTES];
+    stamp_sector(&mut want, id, lba);
+    let what = if want[..] == *s {
+        "data"
+    } else {
+        "header on a corrupt sector"
+    };
+    format!("write #{id:#x}'s {what} for sector {lba}")
+}
+
+/// xorshift64: deterministic, so a failure reproduces.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// In 0..n.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
