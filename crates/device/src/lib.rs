@@ -11,6 +11,8 @@
 //!   checked before it changes anything; rings started and stopped; memory tables.
 //! - `memory`: guest memory regions, checked (`fstat`, overlaps, slots) and mapped; the
 //!   immutable views workers hold.
+//! - `inflight`: the inflight region (INFLIGHT_SHMFD) that lets a restarted device
+//!   resubmit exactly the requests an earlier one took and did not answer.
 //! - `sigbus`: the backstop that keeps a frontend truncating its memory from killing us.
 //! - `ring`: the device side of a split virtqueue through host pointers.
 //! - `worker`: one thread per worker owns a set of queues and one storage engine; it pops
@@ -26,6 +28,7 @@
 mod blk;
 pub mod config;
 pub mod daemon;
+mod inflight;
 mod memory;
 mod poll;
 mod ring;

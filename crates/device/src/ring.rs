@@ -136,6 +136,17 @@ impl DeviceRing {
         self.next_avail
     }
 
+    /// Start processing at `next` instead (inflight recovery knows better than the base).
+    pub(crate) fn set_next_avail(&mut self, next: u16) {
+        self.next_avail = next;
+        self.seen_avail = next;
+    }
+
+    /// The used index: what the device has published so far.
+    pub(crate) fn next_used(&self) -> u16 {
+        self.next_used
+    }
+
     fn u16_at(&self, base: *mut u8, off: usize) -> &AtomicU16 {
         // SAFETY: `bind` checked that base..base+len of this part lies inside one mapped
         // region and that the part is at least 2-byte aligned; every `off` used below is

@@ -345,7 +345,6 @@ impl BackendChannel {
         }
         Ok(())
     }
-
 }
 
 /// Whether `f` is a connected Unix stream socket (what SET_BACKEND_REQ_FD must carry).

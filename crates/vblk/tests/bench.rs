@@ -58,8 +58,11 @@ fn check_job(v: &Value, bs: u64, device_side: bool) {
         let runtime_ms = d["runtime"].as_u64().unwrap();
         let ios = d["total_ios"].as_u64().unwrap();
         assert!(iops > 0.0, "{dir}: IOPS {iops}");
+        // The measured span of a 1 s job: from its first measured I/O to its last, so
+        // never longer than the job (plus a completion's tail), and never empty. (Not a
+        // lower bound near 1 s: on a loaded machine the first I/O can come late.)
         assert!(
-            runtime_ms >= 900,
+            runtime_ms > 0 && runtime_ms <= 3000,
             "{dir}: runtime {runtime_ms} ms for a 1 s job"
         );
         assert_eq!(bytes, ios * bs, "{dir}: bytes = I/Os × bs");

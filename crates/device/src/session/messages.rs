@@ -10,7 +10,7 @@ use log::debug;
 
 use super::{offered_protocol, refuse, Refusal, Session};
 use crate::memory::{RegionDesc, MAX_MEM_SLOTS};
-use crate::wire::{self, le32, le64, protocol, req, Message, WireError, VRING_NOFD};
+use crate::wire::{self, le16, le32, le64, protocol, req, Message, WireError, VRING_NOFD};
 
 /// Why a session ended.
 #[derive(Debug, thiserror::Error)]
@@ -289,6 +289,32 @@ impl Session {
                 out.extend_from_slice(&p[..12]);
                 out.extend_from_slice(&data);
                 wire::reply(sock, msg, &out, None)?;
+                Ok(Done::Replied)
+            }
+            req::GET_INFLIGHT_FD | req::SET_INFLIGHT_FD => {
+                self.require(protocol::INFLIGHT_SHMFD, msg)?;
+                let p = &msg.payload;
+                if !(20..=24).contains(&p.len()) {
+                    return Err(msg
+                        .bad(format_args!("payload of {} bytes, expected 24", p.len()))
+                        .into());
+                }
+                let (size, offset) = (le64(p, 0), le64(p, 8));
+                let (queues, qsize) = (le16(p, 16), le16(p, 18));
+                if msg.code == req::SET_INFLIGHT_FD {
+                    msg.expect_fds(1)?;
+                    let f = msg.fds.remove(0);
+                    self.set_inflight_fd(f, offset, size, queues, qsize)?;
+                    return Ok(Done::Ack);
+                }
+                msg.expect_fds(0)?;
+                let region = self.get_inflight_fd(queues, qsize)?;
+                let (len, n, qs) = region.shape();
+                let mut out = [0u8; 24];
+                out[0..8].copy_from_slice(&len.to_le_bytes());
+                out[16..18].copy_from_slice(&n.to_le_bytes());
+                out[18..20].copy_from_slice(&qs.to_le_bytes());
+                wire::reply(sock, msg, &out, Some(region.fd().as_raw_fd()))?;
                 Ok(Done::Replied)
             }
             req::SET_BACKEND_REQ_FD => {

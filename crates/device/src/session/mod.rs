@@ -32,6 +32,7 @@ use storage::Backend;
 
 use crate::blk::Blk;
 use crate::config::DeviceConfig;
+use crate::inflight::InflightRegion;
 use crate::memory::{GuestMemory, RegionDesc};
 use crate::ring::{DeviceRing, RingAddrs};
 use crate::wire::{protocol, BackendChannel};
@@ -78,6 +79,8 @@ pub(crate) struct Session {
     acked_protocol: u64,
     /// The backend channel (SET_BACKEND_REQ_FD), for config-change messages.
     backend: Option<BackendChannel>,
+    /// The inflight region (GET_INFLIGHT_FD / SET_INFLIGHT_FD).
+    inflight: Option<Arc<InflightRegion>>,
     mem: Arc<GuestMemory>,
     poison: Arc<AtomicBool>,
     vrings: Vec<Vring>,
@@ -131,6 +134,7 @@ impl Session {
             features_set: false,
             acked_protocol: 0,
             backend: None,
+            inflight: None,
             mem: Arc::new(GuestMemory::empty()),
             poison,
             vrings: (0..num_queues).map(|_| Vring::default()).collect(),
@@ -224,8 +228,29 @@ impl Session {
                 "queue {index}: kick fd before any memory table"
             )));
         }
-        let ring = DeviceRing::new(&self.mem, size, addrs, event_idx, v.base)
+        let mut ring = DeviceRing::new(&self.mem, size, addrs, event_idx, v.base)
             .map_err(|e| refuse(format!("queue {index} of size {size}: {e}")))?;
+        let (inflight, resubmit) = match &self.inflight {
+            None => (None, Vec::new()),
+            Some(region) => {
+                let Some(mut iq) = region.queue(index, size) else {
+                    let (_, n, qs) = region.shape();
+                    return Err(refuse(format!(
+                        "queue {index} of size {size}: the inflight region holds {n} queues of {qs}"
+                    )));
+                };
+                let (resubmit, next) = iq.prepare(ring.next_used());
+                if !resubmit.is_empty() || next != v.base {
+                    info!(
+                        "queue {index}: resuming at available index {next} (base was {}), resubmitting {} requests in flight: {resubmit:?}",
+                        v.base,
+                        resubmit.len()
+                    );
+                }
+                ring.set_next_avail(next);
+                (Some(iq), resubmit)
+            }
+        };
         let info = RingInfo {
             desc_table: vm_memory::GuestAddress(ring.desc_table()),
             size,
@@ -242,6 +267,8 @@ impl Session {
             // Without VHOST_USER_F_PROTOCOL_FEATURES a ring starts enabled.
             enabled: v.enabled || !protocol,
             stats: self.stats[index].clone(),
+            inflight,
+            resubmit,
         };
         v.started = true;
         debug!("queue {index}: started (size {size}, base {})", v.base);
@@ -310,6 +337,7 @@ impl Session {
         self.vrings.iter_mut().for_each(|v| *v = Vring::default());
         self.owner = false;
         self.features_set = false;
+        self.inflight = None;
         self.blk.acked.store(0, Ordering::Relaxed);
         Ok(())
     }
@@ -510,6 +538,61 @@ impl Session {
         )))
     }
 
+    /// GET_INFLIGHT_FD: a new region for `num_queues` queues of up to `queue_size`.
+    fn get_inflight_fd(&mut self, num_queues: u16, queue_size: u16) -> Answer<Arc<InflightRegion>> {
+        let max = self.blk.max_queue_size;
+        if num_queues == 0 || usize::from(num_queues) > self.vrings.len() {
+            return Err(refuse(format!(
+                "GET_INFLIGHT_FD: {num_queues} queues (the device has {})",
+                self.vrings.len()
+            )));
+        }
+        if queue_size == 0 || queue_size > max || !queue_size.is_power_of_two() {
+            return Err(refuse(format!(
+                "GET_INFLIGHT_FD: queue size {queue_size} must be a power of two between 1 and {max}"
+            )));
+        }
+        let region = InflightRegion::create(num_queues, queue_size, &self.poison)
+            .map_err(|e| refuse(format!("GET_INFLIGHT_FD: cannot make the region: {e}")))?;
+        let region = Arc::new(region);
+        self.inflight = Some(region.clone());
+        Ok(region)
+    }
+
+    /// SET_INFLIGHT_FD: the region to use (ours from GET_INFLIGHT_FD, or an earlier
+    /// device's the frontend kept across a restart).
+    fn set_inflight_fd(
+        &mut self,
+        file: File,
+        mmap_offset: u64,
+        mmap_size: u64,
+        num_queues: u16,
+        queue_size: u16,
+    ) -> Answer<()> {
+        if self.vrings.iter().any(|v| v.started) {
+            return Err(refuse("SET_INFLIGHT_FD while rings run".into()));
+        }
+        if usize::from(num_queues) > self.vrings.len() || queue_size > self.blk.max_queue_size {
+            return Err(refuse(format!(
+                "SET_INFLIGHT_FD: {num_queues} queues of {queue_size} (the device has {} of up to {})",
+                self.vrings.len(),
+                self.blk.max_queue_size
+            )));
+        }
+        let region = InflightRegion::open(
+            file,
+            mmap_offset,
+            mmap_size,
+            num_queues,
+            queue_size,
+            &self.poison,
+        )
+        .map_err(|e| refuse(format!("SET_INFLIGHT_FD: {e}")))?;
+        debug!("inflight region: {num_queues} queues of {queue_size}, {mmap_size} bytes");
+        self.inflight = Some(Arc::new(region));
+        Ok(())
+    }
+
     fn set_backend_req_fd(&mut self, sock: UnixStream) {
         let reply_ack = self.acked_protocol & protocol::REPLY_ACK != 0;
         self.backend = Some(BackendChannel::new(sock, reply_ack));
@@ -542,4 +625,5 @@ fn offered_protocol() -> u64 {
         | protocol::CONFIG
         | protocol::CONFIGURE_MEM_SLOTS
         | protocol::BACKEND_REQ
+        | protocol::INFLIGHT_SHMFD
 }

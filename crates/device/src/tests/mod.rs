@@ -217,6 +217,8 @@ impl Rig {
             err: Some(err_file),
             enabled: true,
             stats: rig.stats.clone(),
+            inflight: None,
+            resubmit: Vec::new(),
         };
         Worker::post(&rig.mailbox, Command::Start(Box::new(start)));
         rig.worker.step();

@@ -97,7 +97,8 @@ fn many_requests_in_one_batch_all_complete() {
 // ---- requests in flight ----
 
 /// An engine that holds operations back until the test releases them, then runs them on
-/// a real engine: a slow disk, with the test deciding when each operation ends.
+/// a real engine, newest first: a slow disk that completes out of order, with the test
+/// deciding when each operation ends.
 struct HoldEngine {
     inner: Box<dyn Engine>,
     held: VecDeque<(u64, Op)>,
@@ -129,7 +130,7 @@ impl Engine for HoldEngine {
     fn reap(&mut self, f: &mut dyn FnMut(Completion)) -> usize {
         let mut n = 0;
         while self.release.load(Ordering::SeqCst) > 0 {
-            let Some((token, op)) = self.held.pop_front() else {
+            let Some((token, op)) = self.held.pop_back() else {
                 break;
             };
             self.release.fetch_sub(1, Ordering::SeqCst);
@@ -431,4 +432,82 @@ fn used_event_is_honoured_with_event_idx() {
     rig.mem.write_obj(rig.used_idx(), used_event).unwrap();
     flush_batch(&mut rig, 1);
     assert_eq!(notifications(&rig.call), 1);
+}
+
+// ---- inflight tracking ----
+
+/// A queue stopped with requests in flight is answered at once when an inflight region is
+/// in use; the next start of the queue resubmits exactly the unanswered heads (in the
+/// order they were taken), after the old I/O for them has ended.
+#[test]
+fn inflight_region_resubmits_what_a_stopped_queue_left() {
+    use crate::inflight::InflightRegion;
+    let (mut rig, release) = hold_rig(16);
+    assert_eq!(rig.stop(), 0);
+    let poison = Arc::new(AtomicBool::new(false));
+    let region = Arc::new(InflightRegion::create(1, QSIZE, &poison).unwrap());
+    let start = |rig: &mut Rig| {
+        let gm = Arc::new(GuestMemory::from_mmap(rig.mem.clone()));
+        let mut ring = DeviceRing::new(&gm, QSIZE, rig.addrs(), true, 0).unwrap();
+        let mut iq = region.queue(0, QSIZE).unwrap();
+        let (resubmit, next) = iq.prepare(ring.next_used());
+        ring.set_next_avail(next);
+        let (_k, kick) = eventfd_pair();
+        let (_c, call) = eventfd_pair();
+        let qs = QueueStart {
+            index: 0,
+            ring,
+            info: RingInfo {
+                desc_table: GuestAddress(rig.desc),
+                size: QSIZE,
+                indirect: true,
+                max_indirect: RingInfo::max_indirect_for(QSIZE, 254),
+            },
+            kick,
+            call: Some(call),
+            err: None,
+            enabled: true,
+            stats: rig.stats.clone(),
+            inflight: Some(iq),
+            resubmit: resubmit.clone(),
+        };
+        Worker::post(&rig.mailbox, Command::Start(Box::new(qs)));
+        rig.worker.step();
+        (resubmit, next)
+    };
+    assert_eq!(start(&mut rig), (vec![], 0), "a fresh region");
+    read_batch(&mut rig, 4); // heads 0, 3, 6, 9
+    step(&mut rig, 3);
+    assert_eq!(rig.worker.in_flight(), 4);
+    release.store(2, Ordering::SeqCst); // newest first: 9 and 6 complete, 0 and 3 do not
+    step(&mut rig, 3);
+    assert_eq!(rig.used_idx(), 2);
+    assert_eq!((rig.used_elem(0).0, rig.used_elem(1).0), (9, 6));
+    let t0 = std::time::Instant::now();
+    assert_eq!(rig.stop(), 4, "answered at once, all four taken");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert_eq!(rig.worker.zombies(), 1, "two requests still out");
+    // The next start (the same process, or a new one after a crash).
+    assert_eq!(
+        start(&mut rig),
+        (vec![0, 3], 4),
+        "0 and 3, in the order taken"
+    );
+    step(&mut rig, 5);
+    assert_eq!(
+        rig.worker.in_flight(),
+        2,
+        "not resubmitted while the old I/O runs"
+    );
+    release.store(100, Ordering::SeqCst);
+    rig.worker.settle();
+    assert_eq!(rig.worker.zombies(), 0);
+    assert_eq!(rig.used_idx(), 4, "each answered exactly once");
+    let mut ids: Vec<u32> = (0..4).map(|i| rig.used_elem(i).0).collect();
+    ids.sort();
+    assert_eq!(ids, vec![0, 3, 6, 9]);
+    check_reads(&rig, 4);
+    // Nothing is left in flight in the region.
+    let mut iq = region.queue(0, QSIZE).unwrap();
+    assert_eq!(iq.prepare(4), (vec![], 4));
 }

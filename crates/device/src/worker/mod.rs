@@ -384,8 +384,15 @@ impl Worker {
                 Command::Stop { queue, reply } => {
                     match self.queues.iter_mut().find(|q| q.index == queue) {
                         Some(q) => {
+                            // With inflight tracking the requests still out are recorded
+                            // in the region and resubmitted at the next start: no wait.
+                            let wait = if q.inflight.is_some() {
+                                Duration::ZERO
+                            } else {
+                                self.stop_timeout
+                            };
                             q.stopping = Some(Stopping {
-                                deadline: Instant::now() + self.stop_timeout,
+                                deadline: Instant::now() + wait,
                                 reply,
                             })
                         }
@@ -521,21 +528,41 @@ impl Worker {
             q.quiet = true;
         }
         match q.ring.refresh() {
-            Ok(0) => return false,
+            Ok(0) if q.resubmit.is_empty() => return false,
             Ok(_) => {}
             Err(e) => {
                 q.stop_broken(format_args!("{e}"));
                 return false;
             }
         }
+        // The old I/O of heads to resubmit may still run in a queue stopped without waiting
+        // for it (inflight tracking): resubmit them only once it is done.
+        let old_io = self.zombies.iter().any(|z| z.index == q.index);
         let mem = self.mem.mmap();
         let mut popped = false;
         while self.in_flight < self.depth {
-            let Some(head) = q.ring.pop() else { break };
+            let (head, resubmitted) = match q.resubmit.front() {
+                Some(_) if old_io => break,
+                Some(&h) => {
+                    q.resubmit.pop_front();
+                    (h, true)
+                }
+                None => match q.ring.pop() {
+                    Some(h) => (h, false),
+                    None => break,
+                },
+            };
             popped = true;
+            let give_back = |q: &mut Queue| {
+                if resubmitted {
+                    q.resubmit.push_front(head);
+                } else {
+                    q.ring.unpop();
+                }
+            };
             let size = q.ring.size();
             if head >= size {
-                q.ring.unpop();
+                give_back(q);
                 q.stop_broken(format_args!(
                     "the available ring names head {head}, outside the queue of size {size}"
                 ));
@@ -543,7 +570,7 @@ impl Worker {
             }
             let h = usize::from(head);
             if q.slots[h].busy {
-                q.ring.unpop();
+                give_back(q);
                 q.stop_broken(format_args!(
                     "head {head} was made available again while still in flight"
                 ));
@@ -584,7 +611,7 @@ impl Worker {
                                 Err(_) => {
                                     // The engine is full after all: leave the chain in
                                     // the ring.
-                                    q.ring.unpop();
+                                    give_back(q);
                                     break;
                                 }
                             }
@@ -600,12 +627,17 @@ impl Worker {
                     Some((error.status(), 1))
                 }
                 Err(Rejected::Unanswerable(error)) => {
-                    q.ring.unpop();
+                    give_back(q);
                     q.stats.rejected.fetch_add(1, Ordering::Relaxed);
                     q.stop_broken(format_args!("request {head} cannot be answered: {error}"));
                     break;
                 }
             };
+            if !resubmitted {
+                if let Some(iq) = &mut q.inflight {
+                    iq.taken(head);
+                }
+            }
             if let Some((st, used_len)) = answer {
                 if st == status::OK {
                     // SAFETY: as above, status_ptr is a checked byte of guest memory.
@@ -691,7 +723,14 @@ impl Worker {
             if let Some(stop) = q.stopping.take() {
                 let _ = stop.reply.send(next);
             }
-            if q.in_flight > 0 {
+            if q.in_flight > 0 && q.inflight.is_some() {
+                info!(
+                    "queue {}: stopped at available index {next} with {} requests in flight; the inflight region keeps them for the next start",
+                    q.index, q.in_flight
+                );
+                q.ring_ok = false;
+                self.zombies.push(q);
+            } else if q.in_flight > 0 {
                 error!(
                     "queue {}: {} requests still in flight after {:?}; the ring is stopped at available index {next} and their completions will be dropped",
                     q.index, q.in_flight, self.stop_timeout

@@ -20,6 +20,7 @@ use std::time::Instant;
 use log::{error, warn};
 use proto::{Request, RingInfo};
 
+use crate::inflight::InflightQueue;
 use crate::ring::DeviceRing;
 
 /// Counters of one queue, readable by the control thread.
@@ -58,6 +59,10 @@ pub(crate) struct QueueStart {
     pub err: Option<File>,
     pub enabled: bool,
     pub stats: Arc<QueueStats>,
+    /// The queue's part of the inflight region, when the frontend set one up.
+    pub inflight: Option<InflightQueue>,
+    /// Heads an earlier device took and did not answer, to run first, in order.
+    pub resubmit: Vec<u16>,
 }
 
 /// A started queue.
@@ -87,6 +92,9 @@ pub(crate) struct Queue {
     pub stats: Arc<QueueStats>,
     /// Malformed requests seen (the first few are logged).
     pub bad: u64,
+    pub inflight: Option<InflightQueue>,
+    /// Heads to run before any new one (inflight recovery), oldest first.
+    pub resubmit: std::collections::VecDeque<u16>,
 }
 
 /// How many malformed requests a queue logs in full before it only counts them.
@@ -119,6 +127,8 @@ impl Queue {
             stopping: None,
             stats: start.stats,
             bad: 0,
+            inflight: start.inflight,
+            resubmit: start.resubmit.into(),
         }
     }
 
@@ -170,7 +180,13 @@ impl Queue {
             self.used.clear();
             return;
         }
+        if let Some(iq) = &mut self.inflight {
+            iq.before_publish(&self.used);
+        }
         let notify = self.ring.publish(&self.used);
+        if let Some(iq) = &mut self.inflight {
+            iq.after_publish(&self.used, self.ring.next_used());
+        }
         self.used.clear();
         if notify {
             if let Some(call) = &self.call {
