@@ -69,6 +69,13 @@ pub struct DeviceConfig {
     pub submit_batch: Option<u32>,
     /// Resizing: accept a disk that became smaller (I/O past its new end fails).
     pub allow_shrink: bool,
+    /// Offer inflight I/O tracking (INFLIGHT_SHMFD), so that a frontend reconnecting
+    /// after a crash gets exactly the requests that were in flight resubmitted.
+    pub inflight: bool,
+    /// Testing aid: hold every Nth completion back (out-of-order completions).
+    pub delay: Option<storage::Delay>,
+    /// Serve statistics snapshots on this Unix socket (`vblk stats PATH`).
+    pub control_socket: Option<PathBuf>,
     /// Files and block devices: image locking and the format probe.
     pub image: storage::ImageChecks,
 }
@@ -90,6 +97,9 @@ impl Default for DeviceConfig {
             submit_batch: None,
             image: Default::default(),
             allow_shrink: false,
+            inflight: true,
+            delay: None,
+            control_socket: None,
         }
     }
 }

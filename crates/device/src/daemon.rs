@@ -14,6 +14,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{ConfigError, DeviceConfig, Listen};
 use crate::session::{Session, SessionEnd};
+use crate::stats::Stats;
 
 /// Why the daemon could not start or had to stop.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +50,8 @@ pub enum Error {
 #[derive(Debug)]
 pub struct Controls {
     efd: EventFd,
+    /// Readable once stopped (never read): wakes every thread that polls it.
+    stopped: EventFd,
     stop: AtomicBool,
     resize: AtomicBool,
 }
@@ -58,6 +61,7 @@ impl Controls {
     pub fn new() -> io::Result<Controls> {
         Ok(Controls {
             efd: EventFd::new(EFD_NONBLOCK)?,
+            stopped: EventFd::new(EFD_NONBLOCK)?,
             stop: AtomicBool::new(false),
             resize: AtomicBool::new(false),
         })
@@ -67,6 +71,7 @@ impl Controls {
     pub fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
         let _ = self.efd.write(1);
+        let _ = self.stopped.write(1);
     }
 
     /// Re-read the disk's size and tell the frontend if it changed.
@@ -163,12 +168,42 @@ pub fn serve(
         if config.read_only { ", read-only" } else { "" }
     );
     let listener = make_listener(listen)?;
+    let stats = Arc::new(Stats::new(
+        usize::from(config.num_queues),
+        config.threads.clamp(1, usize::from(config.num_queues)),
+        config.disk.to_string(),
+    ));
+    let control = match &config.control_socket {
+        Some(path) => {
+            let (s, d) = (stats.clone(), disk.clone());
+            let t = crate::stats::serve_control(
+                path,
+                move || s.snapshot(d.size()),
+                controls.stopped.as_raw_fd(),
+            )
+            .map_err(|source| Error::Listen {
+                path: path.display().to_string(),
+                source,
+            })?;
+            info!(
+                "statistics on {} (vblk stats {})",
+                path.display(),
+                path.display()
+            );
+            Some(t)
+        }
+        None => None,
+    };
     info!(
         "listening ({} queues of up to {} entries on {} workers, engine {}, polling {} µs)",
         config.num_queues, config.queue_size, config.threads, config.engine, config.poll_us
     );
     ready();
-    let result = accept_loop(config, &disk, &listener, listen, controls);
+    let result = accept_loop(config, &disk, &listener, listen, controls, &stats);
+    if let Some(t) = control {
+        controls.stop();
+        let _ = t.join();
+    }
     if let Err(e) = disk.flush() {
         error!("flushing the disk at exit failed: {e}");
     }
@@ -186,6 +221,7 @@ fn accept_loop(
     listener: &UnixListener,
     listen: &Listen,
     controls: &Controls,
+    stats: &Stats,
 ) -> Result<(), Error> {
     let listen_err = |source| Error::Listen {
         path: describe(listen),
@@ -206,7 +242,7 @@ fn accept_loop(
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(listen_err(e)),
         };
-        serve_one(config, disk, stream, controls)?;
+        serve_one(config, disk, stream, controls, stats)?;
     }
     info!("stopping");
     Ok(())
@@ -225,11 +261,12 @@ fn serve_one(
     disk: &Arc<Backend>,
     mut stream: UnixStream,
     controls: &Controls,
+    stats: &Stats,
 ) -> Result<(), Error> {
     let conn = stream
         .try_clone()
         .map_err(|e| Error::VhostUser(format!("cannot clone the connection: {e}")))?;
-    let mut session = Session::new(config, disk, conn)?;
+    let mut session = Session::new(config, disk, conn, stats)?;
     info!("frontend connected");
     loop {
         match wait(stream.as_raw_fd(), controls) {

@@ -18,6 +18,8 @@
 //! - `worker`: one thread per worker owns a set of queues and one storage engine; it pops
 //!   chains, has `proto` check them, hands payload iovecs to the engine, publishes
 //!   completions and signals the driver once per batch.
+//! - `stats`: live per-queue and per-worker counters and latency histograms, served as
+//!   JSON on the control socket (`vblk stats`).
 //! - `poll`: the adaptive polling window a worker spins in before it sleeps.
 //!
 //! Rules (see DESIGN.md): everything read from the frontend or guest memory is checked; a
@@ -34,6 +36,7 @@ mod poll;
 mod ring;
 mod session;
 mod sigbus;
+mod stats;
 #[cfg(test)]
 mod tests;
 mod wire;

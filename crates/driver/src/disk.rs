@@ -3,7 +3,7 @@
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path as FsPath;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
@@ -154,12 +154,12 @@ pub fn supported_protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::CONFIG
         | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+        | VhostUserProtocolFeatures::BACKEND_REQ
 }
 
 /// What a queue checks requests against (copied from [`DiskInfo`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
-    pub capacity_bytes: u64,
     pub logical_block_size: u32,
     pub read_only: bool,
     pub flush: bool,
@@ -175,7 +175,6 @@ pub(crate) struct Limits {
 impl From<&DiskInfo> for Limits {
     fn from(i: &DiskInfo) -> Limits {
         Limits {
-            capacity_bytes: i.capacity_bytes,
             logical_block_size: i.logical_block_size,
             read_only: i.read_only,
             flush: i.flush,
@@ -195,8 +194,11 @@ pub(crate) struct Shared {
     pub pool: Arc<Pool>,
     pub sock_fd: i32,
     pub dead: AtomicBool,
-    /// Keeps the control connection open while any queue lives.
-    _frontend: Mutex<Frontend>,
+    /// The capacity in bytes; follows the device's configuration changes.
+    pub capacity: AtomicU64,
+    /// Keeps the control connection open while any queue lives (and reads the
+    /// configuration again when it changes).
+    pub frontend: Mutex<Frontend>,
     _region: Arc<Region>,
 }
 
@@ -400,6 +402,12 @@ impl Disk {
         }
         fe.set_features(acked)
             .map_err(|e| connect_err("SET_FEATURES", e))?;
+        let channel = if proto.contains(VhostUserProtocolFeatures::BACKEND_REQ) {
+            let reply_ack = proto.contains(VhostUserProtocolFeatures::REPLY_ACK);
+            Some(crate::watch::Channel::open(&mut fe, reply_ack)?)
+        } else {
+            None
+        };
         debug!(
             "{name}: device features {device_features:#x}, acked {acked:#x}, protocol {proto:?}"
         );
@@ -529,9 +537,13 @@ impl Disk {
             pool,
             sock_fd,
             dead: AtomicBool::new(false),
-            _frontend: Mutex::new(fe),
+            capacity: AtomicU64::new(info.capacity_bytes),
+            frontend: Mutex::new(fe),
             _region: region,
         });
+        if let Some(ch) = channel {
+            ch.spawn(Arc::downgrade(&shared), cfg_len);
+        }
         let mut queues: Vec<Option<Queue>> = rings
             .into_iter()
             .enumerate()
@@ -562,9 +574,15 @@ impl Disk {
         })
     }
 
-    /// What the device offers and what was negotiated.
+    /// What the device offers and what was negotiated (as at attach time).
     pub fn info(&self) -> &DiskInfo {
         &self.info
+    }
+
+    /// The capacity now: it follows the device's configuration changes (a disk grown
+    /// under a running `vblk serve`, announced on the backend channel).
+    pub fn capacity_bytes(&self) -> u64 {
+        self.shared.capacity.load(Ordering::SeqCst)
     }
 
     /// Take queue `index` (each queue can be taken once; it is then owned by its thread).

@@ -31,6 +31,7 @@ pub mod mem;
 pub mod path;
 pub mod queue;
 mod ring;
+mod watch;
 
 pub use disk::{Disk, DiskInfo, DiskOptions};
 pub use error::{Error, ErrorKind};

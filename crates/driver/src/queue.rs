@@ -369,13 +369,13 @@ impl Queue {
         }
         if offset
             .checked_add(len)
-            .is_none_or(|end| end > info.capacity_bytes)
+            .is_none_or(|end| end > self.shared.capacity.load(Ordering::Relaxed))
         {
             return Err(Error::new(
                 ErrorKind::OutOfRange,
                 format!(
                     "offset {offset} + length {len} is past the capacity of {} bytes",
-                    info.capacity_bytes
+                    self.shared.capacity.load(Ordering::Relaxed)
                 ),
             ));
         }

@@ -20,6 +20,7 @@
 //! | `sync_engine` | the sync engine: `preadv2`/`pwritev2` inside `submit` |
 //! | `inline` | the RAM and null disks' engine: memcpy/memset inside `submit` |
 //! | `sysio` | synchronous I/O both file engines share: short transfers, flush, discard and write-zeroes with their fallbacks |
+//! | `delay` | [`Delay`] and [`delayed`]: a testing aid that holds every Nth completion back, for out-of-order completions |
 //! | `bounce` | O_DIRECT alignment (`statx` `STATX_DIOALIGN`) and pooled aligned bounce buffers |
 //!
 //! Rules the engines keep: no heap allocation per operation once warm (slots,
@@ -31,6 +32,7 @@
 
 mod backend;
 mod bounce;
+mod delay;
 mod engine;
 mod error;
 mod format;
@@ -42,6 +44,7 @@ mod sysio;
 mod uring_engine;
 
 pub use backend::{Backend, BackendKind, CacheMode, ImageChecks, OpenOptions};
+pub use delay::{delayed, Delay};
 pub use engine::{Completion, Engine, EngineKind, Full, Op, MAX_DEPTH};
 pub use error::Error;
 pub use format::{probe, Format, ImageFormat, PROBE_HEAD, PROBE_TAIL};

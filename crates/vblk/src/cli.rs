@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use crate::bench::BenchArgs;
 use crate::info::InfoArgs;
 use crate::serve::ServeArgs;
+use crate::stats::StatsArgs;
 
 /// vblk — a userspace virtio-blk stack.
 ///
@@ -46,6 +47,7 @@ pub enum Command {
     /// Attach to a vhost-user-blk device and print what it offers (like nbdinfo).
     Info(InfoArgs),
     Bench(Box<BenchArgs>),
+    Stats(StatsArgs),
 }
 
 /// Run the parsed command line.
@@ -66,5 +68,6 @@ pub fn run(cli: Cli) -> Result<(), Box<dyn Error>> {
         Command::Serve(args) => crate::serve::run(args),
         Command::Info(args) => crate::info::run(args),
         Command::Bench(args) => crate::bench::run(*args),
+        Command::Stats(args) => crate::stats::run(args),
     }
 }

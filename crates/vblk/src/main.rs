@@ -5,6 +5,7 @@ mod bench;
 mod cli;
 mod info;
 mod serve;
+mod stats;
 
 use std::process::ExitCode;
 

@@ -131,6 +131,26 @@ pub struct ServeArgs {
     /// the new end then fails with IOERR.
     #[arg(long)]
     pub allow_shrink: bool,
+
+    /// Do not offer inflight I/O tracking (INFLIGHT_SHMFD). With it (the default) QEMU
+    /// keeps a region in which the daemon records the requests it has taken and not
+    /// answered, so that after a crash the restarted daemon resubmits exactly those. Without
+    /// it QEMU resumes at the used index, which is exact only if requests complete in
+    /// order; for comparison and for frontends that mishandle the region.
+    #[arg(long)]
+    pub no_inflight: bool,
+
+    /// Serve live statistics on this Unix socket: per queue, requests and bytes by type,
+    /// errors, requests in flight, latency histograms; per worker, polling hits and
+    /// misses. Read them with `vblk stats PATH` (or `--json`; `--interval 1` for rates).
+    #[arg(long, value_name = "PATH")]
+    pub control_socket: Option<PathBuf>,
+
+    /// Testing aid: hold every Nth request's completion back MS milliseconds (N:MS, e.g.
+    /// 4:50), so that completions come out of order and some requests stay in flight for
+    /// long. For testing guests, frontends and crash recovery; never for production.
+    #[arg(long, value_name = "N:MS")]
+    pub delay_every: Option<storage::Delay>,
 }
 
 /// `--image-lock`.
@@ -204,6 +224,9 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             cpus: a.cpus.map(|c| c.0).unwrap_or_default(),
             submit_batch: a.submit_batch,
             allow_shrink: a.allow_shrink,
+            inflight: !a.no_inflight,
+            delay: a.delay_every,
+            control_socket: a.control_socket,
             image: ImageChecks {
                 lock: match a.image_lock {
                     LockArg::On => ImageLock::On,

@@ -8,7 +8,7 @@ use std::os::unix::net::UnixStream;
 
 use log::debug;
 
-use super::{offered_protocol, refuse, Refusal, Session};
+use super::{refuse, Refusal, Session};
 use crate::memory::{RegionDesc, MAX_MEM_SLOTS};
 use crate::wire::{self, le16, le32, le64, protocol, req, Message, WireError, VRING_NOFD};
 
@@ -136,7 +136,7 @@ impl Session {
             }
             req::GET_PROTOCOL_FEATURES => {
                 msg.expect_len(0)?;
-                reply_u64(sock, msg, offered_protocol())
+                reply_u64(sock, msg, self.protocol_offered)
             }
             req::SET_PROTOCOL_FEATURES => {
                 let f = msg.u64()?;

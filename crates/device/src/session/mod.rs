@@ -35,8 +35,9 @@ use crate::config::DeviceConfig;
 use crate::inflight::InflightRegion;
 use crate::memory::{GuestMemory, RegionDesc};
 use crate::ring::{DeviceRing, RingAddrs};
+use crate::stats::{QueueStats, Stats};
 use crate::wire::{protocol, BackendChannel};
-use crate::worker::{indirect_acked, Command, QueueStart, QueueStats, WorkerHandle, WorkerSetup};
+use crate::worker::{indirect_acked, Command, QueueStart, WorkerHandle, WorkerSetup};
 
 pub(crate) use messages::SessionEnd;
 
@@ -81,10 +82,14 @@ pub(crate) struct Session {
     backend: Option<BackendChannel>,
     /// The inflight region (GET_INFLIGHT_FD / SET_INFLIGHT_FD).
     inflight: Option<Arc<InflightRegion>>,
+    /// The vhost-user protocol features offered.
+    protocol_offered: u64,
     mem: Arc<GuestMemory>,
     poison: Arc<AtomicBool>,
     vrings: Vec<Vring>,
     stats: Vec<Arc<QueueStats>>,
+    /// (completed, rejected, failed) per queue when the session began.
+    base: Vec<(u64, u64, u64)>,
 }
 
 impl Session {
@@ -94,6 +99,7 @@ impl Session {
         config: &DeviceConfig,
         disk: &Arc<Backend>,
         conn: UnixStream,
+        stats: &Stats,
     ) -> Result<Session, storage::Error> {
         let blk = Arc::new(Blk::new(config, disk));
         let num_queues = usize::from(config.num_queues);
@@ -104,7 +110,16 @@ impl Session {
         for t in 0..threads {
             let owned = (0..num_queues).filter(|q| q % threads == t).count();
             let depth = (owned * usize::from(config.queue_size)).clamp(1, MAX_ENGINE_DEPTH);
-            let engine = disk.engine(config.engine, depth as u32)?;
+            let mut engine = disk.engine(config.engine, depth as u32)?;
+            if let Some(delay) = config.delay {
+                engine = storage::delayed(engine, delay).map_err(|source| {
+                    storage::Error::EngineSetup {
+                        engine: "delay",
+                        depth: depth as u32,
+                        source,
+                    }
+                })?;
+            }
             let conn = conn.clone();
             let setup = WorkerSetup {
                 id: t,
@@ -118,6 +133,7 @@ impl Session {
                 kill: Box::new(move || {
                     let _ = conn.shutdown(std::net::Shutdown::Both);
                 }),
+                stats: stats.workers[t].clone(),
             };
             workers.push(WorkerHandle::spawn(setup).map_err(|source| {
                 storage::Error::EngineSetup {
@@ -135,11 +151,13 @@ impl Session {
             acked_protocol: 0,
             backend: None,
             inflight: None,
+            protocol_offered: offered_protocol(config.inflight),
             mem: Arc::new(GuestMemory::empty()),
             poison,
             vrings: (0..num_queues).map(|_| Vring::default()).collect(),
             workers,
-            stats: (0..num_queues).map(|_| Arc::default()).collect(),
+            base: stats.queues.iter().map(|q| counts(q)).collect(),
+            stats: stats.queues.clone(),
         })
     }
 
@@ -175,18 +193,16 @@ impl Session {
         self.poison.load(Ordering::SeqCst)
     }
 
-    /// Per-queue counters: (completed, rejected, failed), for queues that saw requests.
+    /// Per-queue counters of this session: (queue, completed, rejected, failed), for
+    /// queues that saw requests.
     pub(crate) fn counters(&self) -> Vec<(usize, u64, u64, u64)> {
         self.stats
             .iter()
+            .zip(&self.base)
             .enumerate()
-            .map(|(i, s)| {
-                (
-                    i,
-                    s.completed.load(Ordering::Relaxed),
-                    s.rejected.load(Ordering::Relaxed),
-                    s.failed.load(Ordering::Relaxed),
-                )
+            .map(|(i, (s, b))| {
+                let (c, r, f) = counts(s);
+                (i, c - b.0, r - b.1, f - b.2)
             })
             .filter(|&(_, c, r, f)| c + r + f > 0)
             .collect()
@@ -486,7 +502,7 @@ impl Session {
     }
 
     fn set_protocol_features(&mut self, features: u64) -> Answer<()> {
-        let offered = offered_protocol();
+        let offered = self.protocol_offered;
         if features & !offered != 0 {
             return Err(refuse(format!(
                 "SET_PROTOCOL_FEATURES {features:#x}: bits {:#x} were not offered ({offered:#x})",
@@ -618,12 +634,24 @@ impl Session {
     }
 }
 
+fn counts(q: &QueueStats) -> (u64, u64, u64) {
+    (
+        q.completed.load(Ordering::Relaxed),
+        q.rejected.load(Ordering::Relaxed),
+        q.failed.load(Ordering::Relaxed),
+    )
+}
+
 /// The vhost-user protocol features the device offers.
-fn offered_protocol() -> u64 {
-    protocol::MQ
+fn offered_protocol(inflight: bool) -> u64 {
+    let all = protocol::MQ
         | protocol::REPLY_ACK
         | protocol::CONFIG
         | protocol::CONFIGURE_MEM_SLOTS
-        | protocol::BACKEND_REQ
-        | protocol::INFLIGHT_SHMFD
+        | protocol::BACKEND_REQ;
+    if inflight {
+        all | protocol::INFLIGHT_SHMFD
+    } else {
+        all
+    }
 }

@@ -37,7 +37,8 @@ use crate::blk::Blk;
 use crate::config::DeviceConfig;
 use crate::memory::GuestMemory;
 use crate::ring::{DeviceRing, RingAddrs};
-use crate::worker::{Command, Mailbox, QueueStart, QueueStats, Worker, WorkerSetup};
+use crate::stats::QueueStats;
+use crate::worker::{Command, Mailbox, QueueStart, Worker, WorkerSetup};
 
 pub(crate) type Mem = GuestMemoryMmap<()>;
 
@@ -178,6 +179,7 @@ impl Rig {
             submit_batch: 0,
             poison: Arc::new(AtomicBool::new(false)),
             kill: Box::new(|| {}),
+            stats: Arc::default(),
         });
         let (call, call_file) = eventfd_pair();
         let (err, err_file) = eventfd_pair();

@@ -220,8 +220,10 @@ fn a_failed_io_is_answered_ioerr() {
             status::IOERR,
             "read {r}: the status byte says the I/O failed"
         );
-        assert_eq!(rig.used_elem(r), (u32::from(r) * 3, 1));
     }
+    let mut used = [rig.used_elem(0), rig.used_elem(1)];
+    used.sort();
+    assert_eq!(used, [(0, 1), (3, 1)], "heads 0 and 3, used length 1");
     assert_eq!(rig.stats.failed.load(Ordering::Relaxed), 2);
     assert!(
         !rig.broken(),

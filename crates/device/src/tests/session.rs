@@ -45,7 +45,13 @@ impl Front {
         let (ours, theirs) = UnixStream::pair().unwrap();
         let clone = theirs.try_clone().unwrap();
         Front {
-            session: Session::new(&config, &disk, clone).unwrap(),
+            session: Session::new(
+                &config,
+                &disk,
+                clone,
+                &crate::stats::Stats::new(2, 1, "test".into()),
+            )
+            .unwrap(),
             ours,
             theirs,
             _file: file,

@@ -35,12 +35,13 @@ use storage::{Completion, Engine, Op};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+pub(crate) use queue::QueueStart;
 use queue::{token, untoken, Queue, RateLimit, Stopping};
-pub(crate) use queue::{QueueStart, QueueStats};
 
 use crate::blk::Blk;
 use crate::memory::GuestMemory;
 use crate::poll::Poll;
+use crate::stats::WorkerStats;
 
 /// Empty polling passes between two reads of the clock.
 const IDLE_PASSES_PER_CLOCK: u32 = 16;
@@ -127,6 +128,8 @@ pub(crate) struct WorkerSetup {
     pub poison: Arc<AtomicBool>,
     /// Called (once) when the worker finds the session poisoned: ends the connection.
     pub kill: Box<dyn Fn() + Send>,
+    /// This worker's counters.
+    pub stats: Arc<WorkerStats>,
 }
 
 /// The control thread's handle on a worker thread.
@@ -207,6 +210,9 @@ pub(crate) struct Worker {
     exit: bool,
     /// How long a GET_VRING_BASE waits for the queue's requests.
     stop_timeout: Duration,
+    stats: Arc<WorkerStats>,
+    /// The start of the current pass: one clock read per pass times every request.
+    now: Instant,
 }
 
 impl Worker {
@@ -253,6 +259,8 @@ impl Worker {
             io_log: RateLimit::new(),
             exit: false,
             stop_timeout: STOP_TIMEOUT,
+            stats: setup.stats,
+            now: Instant::now(),
         })
     }
 
@@ -279,6 +287,7 @@ impl Worker {
             if progress {
                 if polling {
                     self.poll.hit();
+                    self.stats.poll_hits.fetch_add(1, Ordering::Relaxed);
                     polling = false;
                 }
                 idle_since = None;
@@ -301,6 +310,7 @@ impl Worker {
             }
             if polling {
                 self.poll.miss();
+                self.stats.poll_misses.fetch_add(1, Ordering::Relaxed);
                 polling = false;
             }
             if self.rearm() {
@@ -338,6 +348,7 @@ impl Worker {
                 timeout.min(ms as i32 + 1)
             };
         }
+        self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
         let n = match self.epoll.wait(timeout, events) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return,
@@ -498,6 +509,7 @@ impl Worker {
 
     /// One pass over every queue. True if anything was popped or completed.
     fn pass(&mut self) -> bool {
+        self.now = Instant::now();
         let mut progress = false;
         if !self.queues.is_empty() {
             let limits = self.blk.limits();
@@ -510,6 +522,7 @@ impl Worker {
         progress |= self.reap();
         for q in &mut self.queues {
             q.publish();
+            q.store_in_flight();
         }
         if self.in_flight == 0 && !self.retired.is_empty() {
             self.retired.clear();
@@ -576,6 +589,7 @@ impl Worker {
                 ));
                 break;
             }
+            q.slots[h].taken = self.now;
             let parsed = self
                 .parser
                 .parse(mem, q.info, head, limits, &mut q.slots[h].req);
@@ -644,7 +658,11 @@ impl Worker {
                     unsafe { q.slots[h].req.status_ptr.write_volatile(status::OK) };
                 }
                 q.used.push((head, used_len));
-                q.count_completed();
+                if st == status::OK {
+                    q.count_completed(head, self.now);
+                } else {
+                    q.stats.completed.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
         popped
@@ -679,13 +697,13 @@ impl Worker {
                 .iter_mut()
                 .find(|q| q.index == index && q.gen == gen)
             {
-                complete(q, head, c.result, &mut self.io_log, true);
+                complete(q, head, c.result, &mut self.io_log, true, self.now);
             } else if let Some(q) = self
                 .zombies
                 .iter_mut()
                 .find(|q| q.index == index && q.gen == gen)
             {
-                complete(q, head, c.result, &mut self.io_log, false);
+                complete(q, head, c.result, &mut self.io_log, false, self.now);
             } else {
                 error!(
                     "worker {}: completion for unknown request {:#x}",
@@ -770,7 +788,14 @@ fn submit(engine: &mut dyn Engine, log: &mut RateLimit) {
 
 /// Finish request `head` of `q` with the engine's `result`; `publish`: write the status
 /// and queue the used element (false for a queue the frontend has already stopped).
-fn complete(q: &mut Queue, head: u16, result: io::Result<u64>, log: &mut RateLimit, publish: bool) {
+fn complete(
+    q: &mut Queue,
+    head: u16,
+    result: io::Result<u64>,
+    log: &mut RateLimit,
+    publish: bool,
+    now: Instant,
+) {
     let Some(slot) = q.slots.get_mut(usize::from(head)) else {
         return;
     };
@@ -803,7 +828,7 @@ fn complete(q: &mut Queue, head: u16, result: io::Result<u64>, log: &mut RateLim
     // memory view or its retired views while the request was in flight.
     unsafe { slot.req.status_ptr.write_volatile(st) };
     q.used.push((head, used_len));
-    q.count_completed();
+    q.count_completed(head, now);
 }
 
 fn to_op(req: &Request, durable: bool) -> Op {

@@ -12,7 +12,7 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::Instant;
@@ -22,23 +22,15 @@ use proto::{Request, RingInfo};
 
 use crate::inflight::InflightQueue;
 use crate::ring::DeviceRing;
-
-/// Counters of one queue, readable by the control thread.
-#[derive(Debug, Default)]
-pub(crate) struct QueueStats {
-    /// Requests completed (any status).
-    pub completed: AtomicU64,
-    /// Requests answered with an error status because they were malformed.
-    pub rejected: AtomicU64,
-    /// Requests whose I/O failed (IOERR from the disk).
-    pub failed: AtomicU64,
-}
+use crate::stats::{Kind, QueueStats};
 
 /// The state of one descriptor head.
 #[derive(Debug)]
 pub(crate) struct Slot {
     pub busy: bool,
     pub req: Request,
+    /// When the request was taken (the start of that worker pass).
+    pub taken: Instant,
 }
 
 /// A GET_VRING_BASE waiting for the queue's requests to finish.
@@ -114,6 +106,7 @@ impl Queue {
                 .map(|_| Slot {
                     busy: false,
                     req: Request::with_capacity(4),
+                    taken: Instant::now(),
                 })
                 .collect(),
             in_flight: 0,
@@ -282,9 +275,29 @@ impl RateLimit {
 }
 
 impl Queue {
-    /// The stats counter bump for a completion.
-    pub(crate) fn count_completed(&self) {
-        self.stats.completed.fetch_add(1, Ordering::Relaxed);
+    /// Count the completion of head `head` at `now`.
+    pub(crate) fn count_completed(&self, head: u16, now: Instant) {
+        let slot = &self.slots[usize::from(head)];
+        let kind = match slot.req.kind {
+            proto::RequestKind::In => Kind::Read,
+            proto::RequestKind::Out => Kind::Write,
+            proto::RequestKind::Flush => Kind::Flush,
+            proto::RequestKind::Discard => Kind::Discard,
+            proto::RequestKind::WriteZeroes { .. } => Kind::WriteZeroes,
+            proto::RequestKind::GetId => Kind::GetId,
+        };
+        self.stats.done(
+            kind,
+            slot.req.len,
+            now.saturating_duration_since(slot.taken),
+        );
+    }
+
+    /// Publish the in-flight gauge.
+    pub(crate) fn store_in_flight(&self) {
+        self.stats
+            .in_flight
+            .store(self.in_flight as u64, Ordering::Relaxed);
     }
 }
 

@@ -1,0 +1,273 @@
+//! Live statistics: counters the workers update per request (relaxed atomics on cache lines
+//! only their queue's worker writes) and a control socket that hands out a JSON snapshot
+//! (`vblk serve --control-socket PATH`, read by `vblk stats PATH`).
+//!
+//! Per queue: requests and bytes by type, malformed requests (rejected), failed I/O,
+//! requests in flight, and a completion-latency histogram per type. Per worker: polling
+//! hits and misses. Counters run from the daemon's start (across frontends), as the
+//! kernel's /proc/diskstats do; rates are differences of two snapshots.
+//!
+//! Latency is measured in passes: from the start of the worker pass that took a request to
+//! the start of the pass that published its completion, read from one clock read per pass
+//! (never one per request). It includes the time a request waits in the device and its
+//! engine; it cannot include the time the chain sat in the ring before the device looked.
+
+use std::io::Write;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixListener;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// The kinds of request counted apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Read = 0,
+    Write = 1,
+    Flush = 2,
+    Discard = 3,
+    WriteZeroes = 4,
+    GetId = 5,
+}
+
+const KINDS: usize = 6;
+const KIND_NAMES: [&str; KINDS] = [
+    "read",
+    "write",
+    "flush",
+    "discard",
+    "write_zeroes",
+    "get_id",
+];
+/// Histogram buckets: bucket i counts latencies in [2^i, 2^(i+1)) ns (bucket 0 also 0).
+const BUCKETS: usize = 40;
+
+/// A log2 latency histogram.
+#[derive(Debug)]
+struct Histogram {
+    buckets: [AtomicU64; BUCKETS],
+    sum_ns: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            sum_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Histogram {
+    fn record(&self, ns: u64) {
+        let i = (63 - ns.max(1).leading_zeros() as usize).min(BUCKETS - 1);
+        self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> Value {
+        let counts: Vec<u64> = self
+            .buckets
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .collect();
+        json!({ "sum_ns": self.sum_ns.load(Ordering::Relaxed), "log2_ns": counts })
+    }
+}
+
+/// One kind's counters.
+#[derive(Debug, Default)]
+struct Op {
+    count: AtomicU64,
+    bytes: AtomicU64,
+    lat: Histogram,
+}
+
+/// Counters of one queue.
+#[derive(Debug, Default)]
+pub(crate) struct QueueStats {
+    /// Requests completed (any status).
+    pub completed: AtomicU64,
+    /// Requests answered with an error status because they were malformed.
+    pub rejected: AtomicU64,
+    /// Requests whose I/O failed (IOERR from the disk).
+    pub failed: AtomicU64,
+    /// Requests taken and not yet completed (stored once per pass).
+    pub in_flight: AtomicU64,
+    ops: [Op; KINDS],
+}
+
+impl QueueStats {
+    /// A request of `kind` and `bytes` completed `lat` after it was taken.
+    pub(crate) fn done(&self, kind: Kind, bytes: u64, lat: Duration) {
+        let op = &self.ops[kind as usize];
+        op.count.fetch_add(1, Ordering::Relaxed);
+        op.bytes.fetch_add(bytes, Ordering::Relaxed);
+        op.lat
+            .record(u64::try_from(lat.as_nanos()).unwrap_or(u64::MAX));
+        self.completed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self, index: usize) -> Value {
+        let mut ops = serde_json::Map::new();
+        for (i, name) in KIND_NAMES.iter().enumerate() {
+            let op = &self.ops[i];
+            ops.insert(
+                (*name).to_string(),
+                json!({
+                    "ios": op.count.load(Ordering::Relaxed),
+                    "bytes": op.bytes.load(Ordering::Relaxed),
+                    "lat": op.lat.snapshot(),
+                }),
+            );
+        }
+        json!({
+            "queue": index,
+            "completed": self.completed.load(Ordering::Relaxed),
+            "rejected": self.rejected.load(Ordering::Relaxed),
+            "failed": self.failed.load(Ordering::Relaxed),
+            "in_flight": self.in_flight.load(Ordering::Relaxed),
+            "ops": ops,
+        })
+    }
+}
+
+/// Counters of one worker.
+#[derive(Debug, Default)]
+pub(crate) struct WorkerStats {
+    /// Polling windows that found work.
+    pub poll_hits: AtomicU64,
+    /// Polling windows that ran out (then the worker slept).
+    pub poll_misses: AtomicU64,
+    /// Times the worker slept in epoll.
+    pub sleeps: AtomicU64,
+}
+
+/// Everything, for one daemon.
+#[derive(Debug)]
+pub(crate) struct Stats {
+    pub queues: Vec<Arc<QueueStats>>,
+    pub workers: Vec<Arc<WorkerStats>>,
+    started: Instant,
+    disk: String,
+}
+
+impl Stats {
+    pub(crate) fn new(num_queues: usize, threads: usize, disk: String) -> Stats {
+        Stats {
+            queues: (0..num_queues).map(|_| Arc::default()).collect(),
+            workers: (0..threads).map(|_| Arc::default()).collect(),
+            started: Instant::now(),
+            disk,
+        }
+    }
+
+    /// The snapshot `vblk stats` reads: queues that have seen a request, and every worker.
+    pub(crate) fn snapshot(&self, capacity_bytes: u64) -> Value {
+        let queues: Vec<Value> = self
+            .queues
+            .iter()
+            .enumerate()
+            .filter(|(_, q)| {
+                q.completed.load(Ordering::Relaxed) + q.in_flight.load(Ordering::Relaxed) > 0
+            })
+            .map(|(i, q)| q.snapshot(i))
+            .collect();
+        let workers: Vec<Value> = self
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                json!({
+                    "worker": i,
+                    "poll_hits": w.poll_hits.load(Ordering::Relaxed),
+                    "poll_misses": w.poll_misses.load(Ordering::Relaxed),
+                    "sleeps": w.sleeps.load(Ordering::Relaxed),
+                })
+            })
+            .collect();
+        json!({
+            "vblk_stats": 1,
+            "disk": self.disk,
+            "capacity_bytes": capacity_bytes,
+            "uptime_ns": u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+            "num_queues": self.queues.len(),
+            "queues": queues,
+            "workers": workers,
+        })
+    }
+}
+
+/// Serve snapshots on `path`: each connection gets one JSON document, then is closed.
+/// Runs until `stop_fd` becomes readable (it stays readable once the daemon stops).
+pub(crate) fn serve_control(
+    path: &Path,
+    snapshot: impl Fn() -> Value + Send + 'static,
+    stop_fd: RawFd,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path)?;
+    listener.set_nonblocking(true)?;
+    let owned = path.to_path_buf();
+    std::thread::Builder::new()
+        .name("vblk-control".into())
+        .spawn(move || loop {
+            let mut fds = [
+                libc::pollfd {
+                    fd: listener.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: stop_fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: two live pollfd structures.
+            if unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) } < 0 {
+                continue;
+            }
+            if fds[1].revents != 0 {
+                let _ = std::fs::remove_file(&owned);
+                return;
+            }
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    let _ = s.set_nonblocking(false);
+                    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+                    let doc = snapshot().to_string();
+                    let _ = s.write_all(doc.as_bytes());
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => {
+                    log::warn!("control socket {}: {e}", owned.display());
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_log2_ns() {
+        let h = Histogram::default();
+        h.record(0);
+        h.record(1);
+        h.record(1023);
+        h.record(1024);
+        h.record(u64::MAX);
+        let s = h.snapshot();
+        let b = s["log2_ns"].as_array().unwrap();
+        assert_eq!(b[0], 2, "0 and 1 ns");
+        assert_eq!(b[9], 1, "1023 ns");
+        assert_eq!(b[10], 1, "1024 ns");
+        assert_eq!(b[BUCKETS - 1], 1, "huge values land in the last bucket");
+    }
+}

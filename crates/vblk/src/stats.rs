@@ -1,0 +1,282 @@
+//! `vblk stats`: read a running `vblk serve`'s statistics from its control socket.
+
+use std::error::Error;
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use serde_json::Value;
+
+/// Show a running `vblk serve`'s statistics (it must run with `--control-socket PATH`).
+///
+/// Without `--interval`: counters since the daemon started, per queue — requests and
+/// MiB by type, average completion latency, requests in flight, malformed (rejected) and
+/// failed requests — then completion-latency percentiles (fio's clat, in µs) and each
+/// worker's polling hits and misses.
+///
+/// With `--interval SECS`: one line per active queue every SECS seconds, with the rates
+/// of that interval in `iostat -x`'s names and units: r/s, rkB/s, r_await (ms), w/s,
+/// wkB/s, w_await, f/s (flushes), d/s (discards and write-zeroes), aqu-sz (requests in
+/// flight at the end of the interval).
+///
+/// Examples:
+///
+///   vblk serve --socket-path /run/vm1.sock --blk-file disk.img --control-socket /run/vm1.stats
+///   vblk stats /run/vm1.stats
+///   vblk stats /run/vm1.stats --interval 1 --count 10
+///   vblk stats /run/vm1.stats --json
+#[derive(Debug, Args)]
+#[command(verbatim_doc_comment)]
+pub struct StatsArgs {
+    /// The daemon's control socket (`vblk serve --control-socket PATH`).
+    #[arg(value_name = "PATH")]
+    pub socket: PathBuf,
+
+    /// Print the daemon's JSON snapshot as it is.
+    #[arg(long, conflicts_with = "interval")]
+    pub json: bool,
+
+    /// Print rates every SECS seconds (like `iostat -x SECS`).
+    #[arg(long, value_name = "SECS")]
+    pub interval: Option<f64>,
+
+    /// With --interval: stop after N reports [default: until interrupted].
+    #[arg(long, value_name = "N", requires = "interval")]
+    pub count: Option<u64>,
+}
+
+/// One snapshot from the daemon.
+fn fetch(path: &PathBuf) -> Result<Value, Box<dyn Error>> {
+    let mut s = UnixStream::connect(path).map_err(|e| {
+        format!(
+            "cannot connect to {}: {e} (is `vblk serve --control-socket {}` running?)",
+            path.display(),
+            path.display()
+        )
+    })?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf)?;
+    let v: Value = serde_json::from_str(&buf)
+        .map_err(|e| format!("{}: not a vblk statistics socket ({e})", path.display()))?;
+    if v["vblk_stats"] != 1 {
+        return Err(format!("{}: not a vblk statistics socket", path.display()).into());
+    }
+    Ok(v)
+}
+
+fn u(v: &Value) -> u64 {
+    v.as_u64().unwrap_or(0)
+}
+
+/// The latency percentile `p` (0..1) of a log2-ns histogram, in µs (upper bound of its
+/// bucket, as a histogram can tell no better).
+fn percentile(lat: &Value, p: f64) -> Option<f64> {
+    let buckets: Vec<u64> = lat["log2_ns"].as_array()?.iter().map(u).collect();
+    let total: u64 = buckets.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let want = ((total as f64) * p).ceil().max(1.0) as u64;
+    let mut seen = 0;
+    for (i, n) in buckets.iter().enumerate() {
+        seen += n;
+        if seen >= want {
+            return Some((1u64 << (i + 1)) as f64 / 1000.0);
+        }
+    }
+    None
+}
+
+fn op<'a>(q: &'a Value, name: &str) -> &'a Value {
+    &q["ops"][name]
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// Average latency of an op in µs.
+fn avg_us(o: &Value) -> f64 {
+    let n = u(&o["ios"]);
+    if n == 0 {
+        return 0.0;
+    }
+    u(&o["lat"]["sum_ns"]) as f64 / n as f64 / 1000.0
+}
+
+fn print_snapshot(v: &Value) {
+    println!(
+        "vblk serve: {} ({:.1} GiB), up {:.1} s, {} queues offered",
+        v["disk"].as_str().unwrap_or("?"),
+        u(&v["capacity_bytes"]) as f64 / (1u64 << 30) as f64,
+        u(&v["uptime_ns"]) as f64 / 1e9,
+        u(&v["num_queues"])
+    );
+    let queues = v["queues"].as_array().cloned().unwrap_or_default();
+    if queues.is_empty() {
+        println!("no requests yet");
+    } else {
+        println!(
+            "{:>5} {:>10} {:>9} {:>11} {:>10} {:>9} {:>11} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7}",
+            "queue",
+            "reads",
+            "read MiB",
+            "r_avg(us)",
+            "writes",
+            "write MiB",
+            "w_avg(us)",
+            "flushes",
+            "discards",
+            "wzeroes",
+            "in_flight",
+            "rejected",
+            "failed"
+        );
+        for q in &queues {
+            let (r, w) = (op(q, "read"), op(q, "write"));
+            println!(
+                "{:>5} {:>10} {:>9.1} {:>11.1} {:>10} {:>9.1} {:>11.1} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7}",
+                u(&q["queue"]),
+                u(&r["ios"]),
+                mib(u(&r["bytes"])),
+                avg_us(r),
+                u(&w["ios"]),
+                mib(u(&w["bytes"])),
+                avg_us(w),
+                u(&op(q, "flush")["ios"]),
+                u(&op(q, "discard")["ios"]),
+                u(&op(q, "write_zeroes")["ios"]),
+                u(&q["in_flight"]),
+                u(&q["rejected"]),
+                u(&q["failed"]),
+            );
+        }
+        println!("completion latency percentiles (usec, clat; upper bounds of log2 buckets):");
+        for q in &queues {
+            for name in ["read", "write", "flush"] {
+                let lat = &op(q, name)["lat"];
+                let ps: Vec<String> = [0.5, 0.9, 0.99, 0.999]
+                    .iter()
+                    .filter_map(|&p| percentile(lat, p).map(|x| format!("{:.0}", x.max(1.0))))
+                    .collect();
+                if ps.len() == 4 {
+                    println!(
+                        "  queue {:>3} {:<6} p50 {:>8}  p90 {:>8}  p99 {:>8}  p99.9 {:>8}",
+                        u(&q["queue"]),
+                        name,
+                        ps[0],
+                        ps[1],
+                        ps[2],
+                        ps[3]
+                    );
+                }
+            }
+        }
+    }
+    for w in v["workers"].as_array().cloned().unwrap_or_default() {
+        println!(
+            "worker {}: polling found work {} times, ran out {} times; slept {} times",
+            u(&w["worker"]),
+            u(&w["poll_hits"]),
+            u(&w["poll_misses"]),
+            u(&w["sleeps"])
+        );
+    }
+}
+
+/// One queue's counters, for differences.
+fn counters(q: &Value) -> [u64; 10] {
+    let (r, w, f) = (op(q, "read"), op(q, "write"), op(q, "flush"));
+    let (d, z) = (op(q, "discard"), op(q, "write_zeroes"));
+    [
+        u(&r["ios"]),
+        u(&r["bytes"]),
+        u(&r["lat"]["sum_ns"]),
+        u(&w["ios"]),
+        u(&w["bytes"]),
+        u(&w["lat"]["sum_ns"]),
+        u(&f["ios"]),
+        u(&d["ios"]) + u(&z["ios"]),
+        u(&q["in_flight"]),
+        u(&q["queue"]),
+    ]
+}
+
+fn print_rates(prev: &Value, now: &Value, secs: f64) {
+    let find = |v: &Value, i: u64| {
+        v["queues"]
+            .as_array()
+            .and_then(|qs| qs.iter().find(|q| u(&q["queue"]) == i).cloned())
+    };
+    println!(
+        "{:>5} {:>9} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7}",
+        "queue", "r/s", "rkB/s", "r_await", "w/s", "wkB/s", "w_await", "f/s", "d/s", "aqu-sz"
+    );
+    for q in now["queues"].as_array().cloned().unwrap_or_default() {
+        let c = counters(&q);
+        let p = find(prev, c[9]).map_or([0; 10], |q| counters(&q));
+        let d = |i: usize| c[i].saturating_sub(p[i]) as f64;
+        let await_ms = |ios: f64, ns: f64| if ios > 0.0 { ns / ios / 1e6 } else { 0.0 };
+        println!(
+            "{:>5} {:>9.1} {:>9.1} {:>8.3} {:>9.1} {:>9.1} {:>8.3} {:>8.1} {:>8.1} {:>7}",
+            c[9],
+            d(0) / secs,
+            d(1) / 1024.0 / secs,
+            await_ms(d(0), d(2)),
+            d(3) / secs,
+            d(4) / 1024.0 / secs,
+            await_ms(d(3), d(5)),
+            d(6) / secs,
+            d(7) / secs,
+            c[8]
+        );
+    }
+}
+
+/// `vblk stats`.
+pub fn run(args: StatsArgs) -> Result<(), Box<dyn Error>> {
+    let first = fetch(&args.socket)?;
+    if args.json {
+        println!("{first}");
+        return Ok(());
+    }
+    let Some(secs) = args.interval else {
+        print_snapshot(&first);
+        return Ok(());
+    };
+    if !(secs > 0.0 && secs <= 3600.0) {
+        return Err(format!("--interval {secs}: must be between 0 and 3600 seconds").into());
+    }
+    let mut prev = first;
+    let mut n = 0;
+    while args.count.is_none_or(|c| n < c) {
+        std::thread::sleep(Duration::from_secs_f64(secs));
+        let now = fetch(&args.socket)?;
+        let elapsed = (u(&now["uptime_ns"]).saturating_sub(u(&prev["uptime_ns"]))) as f64 / 1e9;
+        print_rates(&prev, &now, elapsed.max(1e-9));
+        prev = now;
+        n += 1;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_come_from_the_buckets() {
+        let mut b = vec![0u64; 40];
+        b[10] = 90; // 1.024-2.048 µs
+        b[20] = 10; // ~1-2 ms
+        let lat = serde_json::json!({ "log2_ns": b, "sum_ns": 0 });
+        assert_eq!(percentile(&lat, 0.5), Some(2.048));
+        assert_eq!(percentile(&lat, 0.9), Some(2.048));
+        assert_eq!(percentile(&lat, 0.99), Some(2097.152));
+        let empty = serde_json::json!({ "log2_ns": vec![0u64; 40], "sum_ns": 0 });
+        assert_eq!(percentile(&empty, 0.5), None);
+    }
+}
