@@ -6,5 +6,7 @@
 
 pub mod assets;
 pub mod daemon;
+pub mod fio;
 pub mod guest;
+pub mod layer;
 pub mod util;
