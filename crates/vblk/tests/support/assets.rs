@@ -51,7 +51,12 @@ const INIT_SCRIPT: &str = r#"#!/bin/busybox sh
 /bin/busybox mount -t devtmpfs devtmpfs /dev
 /bin/busybox --install -s /bin
 export PATH=/bin:/usr/bin:/sbin:/usr/sbin
-export LD_LIBRARY_PATH="$(cat /etc/vblk-libpath)"
+LD_LIBRARY_PATH="$(cat /etc/vblk-libpath)"
+# Extra layers (see `support::layer`) add their library directories here.
+for f in /etc/vblk-libpath.d/*; do
+    [ -f "$f" ] && LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$(cat "$f")"
+done
+export LD_LIBRARY_PATH
 echo "VBLK-BOOT kernel=$(uname -r) uptime=$(cut -d' ' -f1 /proc/uptime) cpus=$(nproc)"
 while read -r m; do
     insmod "/lib/modules/vblk/$m.ko" || echo "VBLK-WARN insmod $m failed"
@@ -116,9 +121,39 @@ pub fn require_programs(programs: &[(&str, &str)]) {
     );
 }
 
-fn require_program(name: &str, package: &str) -> PathBuf {
+pub fn require_program(name: &str, package: &str) -> PathBuf {
     require_programs(&[(name, package)]);
     find_program(name).expect("checked above")
+}
+
+/// Adds the host program `host` as `guest` (a path in the guest, without the leading
+/// `/`) to `files`, with every shared library `ldd` names (at their host paths), and
+/// records the libraries' directories in `lib_dirs` (for `LD_LIBRARY_PATH`).
+pub fn add_with_libraries(
+    files: &mut Vec<(String, PathBuf, u32)>,
+    lib_dirs: &mut BTreeSet<String>,
+    guest: &str,
+    host: &Path,
+) -> Result<(), String> {
+    require_programs(&[("ldd", "libc-bin")]);
+    files.push((guest.to_string(), host.to_path_buf(), 0o755));
+    let out = Command::new("ldd")
+        .arg(host)
+        .output()
+        .map_err(|e| format!("ldd: {e}"))?;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(lib) = line.split_whitespace().find(|t| t.starts_with('/')) else {
+            continue;
+        };
+        let lib = lib.trim_start_matches('/').to_string();
+        if let Some(parent) = Path::new(&lib).parent() {
+            lib_dirs.insert(format!("/{}", parent.display()));
+        }
+        if !files.iter().any(|(g, _, _)| *g == lib) {
+            files.push((lib.clone(), PathBuf::from(format!("/{lib}")), 0o755));
+        }
+    }
+    Ok(())
 }
 
 /// Is `data` a dynamically linked ELF file (has a PT_INTERP header)?
@@ -255,7 +290,8 @@ fn pick_kernel() -> Result<(String, PathBuf), String> {
     Ok((v, p))
 }
 
-fn stamp(path: &Path) -> Result<String, String> {
+/// What identifies a host file's version in a manifest: path, length and mtime.
+pub fn stamp(path: &Path) -> Result<String, String> {
     let m = fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mtime = m
         .modified()
@@ -270,7 +306,7 @@ fn stamp(path: &Path) -> Result<String, String> {
 }
 
 /// Writes `data` to `path` atomically (other test processes may race us).
-fn write_atomic(path: &Path, data: &[u8]) -> Result<(), String> {
+pub fn write_atomic(path: &Path, data: &[u8]) -> Result<(), String> {
     static N: AtomicUsize = AtomicUsize::new(0);
     let tmp = path.with_extension(format!(
         "tmp.{}.{}",
@@ -399,26 +435,14 @@ fn plan_initramfs(kver: &str) -> Result<(String, BuildFn), String> {
     // Files copied from the host: (guest path, host path, mode).
     let mut files: Vec<(String, PathBuf, u32)> = vec![("bin/busybox".into(), busybox, 0o755)];
     let mut lib_dirs = BTreeSet::new();
-    require_programs(&[("ldd", "libc-bin")]);
     for (tool, package) in GUEST_TOOLS {
         let host = require_program(tool, package);
-        files.push((format!("usr/sbin/{tool}"), host.clone(), 0o755));
-        let out = Command::new("ldd")
-            .arg(&host)
-            .output()
-            .map_err(|e| format!("ldd: {e}"))?;
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            let Some(lib) = line.split_whitespace().find(|t| t.starts_with('/')) else {
-                continue;
-            };
-            let lib = lib.trim_start_matches('/').to_string();
-            if let Some(parent) = Path::new(&lib).parent() {
-                lib_dirs.insert(format!("/{}", parent.display()));
-            }
-            if !files.iter().any(|(g, _, _)| *g == lib) {
-                files.push((lib.clone(), PathBuf::from(format!("/{lib}")), 0o755));
-            }
-        }
+        add_with_libraries(
+            &mut files,
+            &mut lib_dirs,
+            &format!("usr/sbin/{tool}"),
+            &host,
+        )?;
     }
     if Path::new("/etc/mke2fs.conf").exists() {
         files.push(("etc/mke2fs.conf".into(), "/etc/mke2fs.conf".into(), 0o644));

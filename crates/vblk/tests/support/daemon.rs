@@ -33,6 +33,43 @@ impl Backend {
     }
 }
 
+/// Whether the backend goes through the host page cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cache {
+    /// O_DIRECT: `vblk serve --cache none`, qemu-storage-daemon `cache.direct=on`.
+    None,
+    /// The page cache: `--cache writeback`, `cache.direct=off`.
+    Writeback,
+}
+
+impl Cache {
+    pub fn name(self) -> &'static str {
+        match self {
+            Cache::None => "none",
+            Cache::Writeback => "writeback",
+        }
+    }
+}
+
+/// How the backend submits I/O to the host kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// `vblk serve --engine io_uring`, qemu-storage-daemon `aio=io_uring`.
+    IoUring,
+    /// `--engine sync` (preadv/pwritev on the worker); qemu-storage-daemon `aio=threads`
+    /// (preadv/pwritev on a thread pool), its nearest equivalent.
+    Sync,
+}
+
+impl Engine {
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::IoUring => "io_uring",
+            Engine::Sync => "sync",
+        }
+    }
+}
+
 /// How to serve one disk.
 #[derive(Debug, Clone)]
 pub struct Export {
@@ -40,6 +77,11 @@ pub struct Export {
     pub blk_file: String,
     pub read_only: bool,
     pub num_queues: u16,
+    /// `None`: the backend's default (vblk: see `vblk serve --help`; qemu-storage-daemon
+    /// here: the page cache).
+    pub cache: Option<Cache>,
+    /// `None`: the backend's default (vblk: io_uring; qemu-storage-daemon: threads).
+    pub engine: Option<Engine>,
     /// `--serial` (vblk only).
     pub serial: Option<String>,
     /// More `vblk serve` arguments.
@@ -52,6 +94,8 @@ impl Export {
             blk_file: blk_file.as_ref().display().to_string(),
             read_only: false,
             num_queues,
+            cache: None,
+            engine: None,
             serial: None,
             extra_args: Vec::new(),
         }
@@ -59,6 +103,16 @@ impl Export {
 
     pub fn read_only(mut self) -> Export {
         self.read_only = true;
+        self
+    }
+
+    pub fn cache(mut self, cache: Cache) -> Export {
+        self.cache = Some(cache);
+        self
+    }
+
+    pub fn engine(mut self, engine: Engine) -> Export {
+        self.engine = Some(engine);
         self
     }
 
@@ -113,6 +167,12 @@ impl Daemon {
                 if let Some(s) = &export.serial {
                     cmd.arg("--serial").arg(s);
                 }
+                if let Some(c) = export.cache {
+                    cmd.args(["--cache", c.name()]);
+                }
+                if let Some(e) = export.engine {
+                    cmd.args(["--engine", e.name()]);
+                }
                 cmd.args(["--log-level", "info"]);
                 cmd.args(&export.extra_args);
                 cmd
@@ -125,8 +185,16 @@ impl Daemon {
                 );
                 let mut cmd = Command::new(find_program("qemu-storage-daemon").expect("checked"));
                 cmd.arg("--blockdev").arg(format!(
-                    "driver=file,node-name=f,filename={},cache.direct=off{}",
+                    "driver=file,node-name=f,filename={},cache.direct={},aio={}{}",
                     export.blk_file,
+                    match export.cache {
+                        Some(Cache::None) => "on",
+                        Some(Cache::Writeback) | None => "off",
+                    },
+                    match export.engine {
+                        Some(Engine::IoUring) => "io_uring",
+                        Some(Engine::Sync) | None => "threads",
+                    },
                     if export.read_only {
                         ",read-only=on"
                     } else {
@@ -200,6 +268,13 @@ impl Daemon {
 
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// The whole log so far.
+    pub fn log_text(&self) -> String {
+        fs::read(&self.log)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
     }
 
     /// Command line and log, for failure messages.
@@ -301,4 +376,46 @@ impl Drop for Daemon {
         }
         let _ = fs::remove_file(&self.socket);
     }
+}
+
+/// `vblk serve`'s per-queue summary, logged when a frontend disconnects:
+/// `queue {q}: {done} requests completed, {bad} rejected`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueSummary {
+    pub queue: usize,
+    pub completed: u64,
+    pub rejected: u64,
+}
+
+/// Every per-queue summary line in a `vblk serve` log, in order.
+pub fn queue_summaries(log: &str) -> Vec<QueueSummary> {
+    log.lines()
+        .filter_map(|line| {
+            let rest = &line[line.find("] queue ")? + "] queue ".len()..];
+            let (q, rest) = rest.split_once(": ")?;
+            let (done, rest) = rest.split_once(" requests completed, ")?;
+            let bad = rest.strip_suffix(" rejected")?;
+            Some(QueueSummary {
+                queue: q.parse().ok()?,
+                completed: done.parse().ok()?,
+                rejected: bad.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// The lines of a `vblk serve` log (env_logger: `[time LEVEL target] message`) whose
+/// level is WARN or ERROR.
+pub fn warnings(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|line| {
+            line.strip_prefix('[')
+                .and_then(|l| l.split_once(']'))
+                .is_some_and(|(header, _)| {
+                    header
+                        .split_whitespace()
+                        .any(|w| w == "WARN" || w == "ERROR")
+                })
+        })
+        .collect()
 }

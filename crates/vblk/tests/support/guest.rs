@@ -24,8 +24,9 @@ use super::assets::{assets, target_dir, Cpio, GUEST_ENV};
 use super::assets::{find_program, require_programs};
 // The host-tool helpers, where `daemon` has always found them.
 
-/// Guest RAM; the memfd backend must be the same size.
-const GUEST_MEM: &str = "512M";
+/// Guest RAM in MiB unless [`Guest::memory_mib`] says otherwise; the memfd backend is
+/// always the same size.
+const GUEST_MEM_MIB: u32 = 512;
 
 /// Shell helpers prepended to every per-boot script.
 ///
@@ -174,6 +175,8 @@ impl Drop for TempDir {
 pub struct Disk {
     pub socket: PathBuf,
     pub num_queues: u16,
+    /// QEMU's `queue-size` (entries per virtqueue); `None`: QEMU's default (128).
+    pub queue_size: Option<u16>,
 }
 
 /// A guest boot: devices, script, data files and limits.
@@ -185,6 +188,10 @@ pub struct Guest {
     files: Vec<(String, Vec<u8>)>,
     timeout: Duration,
     smp: u32,
+    cpu: String,
+    memory_mib: u32,
+    cmdline: Vec<String>,
+    layers: Vec<PathBuf>,
     logs: Vec<(String, PathBuf)>,
     watched: Vec<(String, u32)>,
 }
@@ -239,6 +246,10 @@ impl Guest {
             files: Vec::new(),
             timeout: Duration::from_secs(240),
             smp: 2,
+            cpu: "max".into(),
+            memory_mib: GUEST_MEM_MIB,
+            cmdline: Vec::new(),
+            layers: Vec::new(),
             logs: Vec::new(),
             watched: Vec::new(),
         }
@@ -249,7 +260,48 @@ impl Guest {
         self.disks.push(Disk {
             socket: socket.as_ref().to_path_buf(),
             num_queues,
+            queue_size: None,
         });
+        self
+    }
+
+    /// Adds a vhost-user-blk-pci device with QEMU's `queue-size=queue_size`.
+    pub fn disk_with_queue_size(
+        mut self,
+        socket: impl AsRef<Path>,
+        num_queues: u16,
+        queue_size: u16,
+    ) -> Guest {
+        self.disks.push(Disk {
+            socket: socket.as_ref().to_path_buf(),
+            num_queues,
+            queue_size: Some(queue_size),
+        });
+        self
+    }
+
+    /// QEMU's `-cpu` model (default `max`).
+    pub fn cpu(mut self, model: &str) -> Guest {
+        self.cpu = model.into();
+        self
+    }
+
+    /// Guest RAM in MiB (default 512).
+    pub fn memory_mib(mut self, mib: u32) -> Guest {
+        self.memory_mib = mib;
+        self
+    }
+
+    /// More kernel command-line arguments.
+    pub fn kernel_arg(mut self, arg: &str) -> Guest {
+        self.cmdline.push(arg.into());
+        self
+    }
+
+    /// A cached cpio archive (e.g. from [`super::layer`]) unpacked over the base
+    /// initramfs, before the per-boot files.
+    pub fn layer(mut self, archive: impl AsRef<Path>) -> Guest {
+        self.layers.push(archive.as_ref().to_path_buf());
         self
     }
 
@@ -316,8 +368,11 @@ impl Guest {
         for (path, data) in &self.files {
             extra.file(path, 0o644, data);
         }
-        let mut initrd = fs::read(&assets.initramfs)
-            .unwrap_or_else(|e| panic!("{}: {e}", assets.initramfs.display()));
+        let mut initrd = Vec::new();
+        for archive in std::iter::once(&assets.initramfs).chain(&self.layers) {
+            let data = fs::read(archive).unwrap_or_else(|e| panic!("{}: {e}", archive.display()));
+            initrd.extend_from_slice(&data);
+        }
         initrd.extend_from_slice(&extra.finish());
         let initrd_path = work.join("initramfs.cpio");
         fs::write(&initrd_path, &initrd)
@@ -360,30 +415,38 @@ impl Guest {
             "-accel",
             "tcg",
             "-cpu",
-            "max",
+            &self.cpu,
             "-smp",
             &self.smp.to_string(),
         ]);
-        cmd.args(["-m", GUEST_MEM]);
+        let mem = format!("{}M", self.memory_mib);
+        cmd.args(["-m", &mem]);
         cmd.args([
             "-object",
-            &format!("memory-backend-memfd,id=mem,size={GUEST_MEM},share=on"),
+            &format!("memory-backend-memfd,id=mem,size={mem},share=on"),
         ]);
         cmd.args(["-numa", "node,memdev=mem"]);
         cmd.arg("-kernel").arg(&assets.vmlinux);
         cmd.arg("-initrd").arg(&initrd_path);
-        cmd.args([
-            "-append",
-            "console=ttyS0 rdinit=/init panic=-1 oops=panic mitigations=off",
-        ]);
+        let mut append =
+            "console=ttyS0 rdinit=/init panic=-1 oops=panic mitigations=off".to_string();
+        for arg in &self.cmdline {
+            append.push(' ');
+            append.push_str(arg);
+        }
+        cmd.arg("-append").arg(append);
         cmd.args(["-serial", "stdio"]);
         for (i, disk) in self.disks.iter().enumerate() {
             cmd.arg("-chardev")
                 .arg(format!("socket,id=vhu{i},path={}", disk.socket.display()));
-            cmd.arg("-device").arg(format!(
+            let mut device = format!(
                 "vhost-user-blk-pci,chardev=vhu{i},num-queues={}",
                 disk.num_queues
-            ));
+            );
+            if let Some(q) = disk.queue_size {
+                write!(device, ",queue-size={q}").expect("string");
+            }
+            cmd.arg("-device").arg(device);
         }
         let serial = fs::File::create(&serial_path).expect("serial log");
         let stderr = fs::File::create(&stderr_path).expect("stderr log");

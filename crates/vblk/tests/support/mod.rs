@@ -6,7 +6,9 @@
 
 pub mod assets;
 pub mod daemon;
+pub mod fio;
 pub mod guest;
+pub mod layer;
 pub mod raw_frontend;
 pub mod raw_ring;
 pub mod util;
