@@ -27,7 +27,7 @@
 //! error (no verify failure); the 4 MiB writes were split by the segment limit; the
 //! largest transfer went as one request; the disks have 2 hardware queues; no I/O error
 //! in the guest's kernel log. Per daemon: its per-queue summary at disconnect
-//! (`queue N: D requests completed, B rejected`) shows both queues used and nothing
+//! (`queue N: D requests completed, B rejected, F failed`) shows both queues used and nothing
 //! rejected, and its log has no WARN or ERROR line. Every boot runs; the failure lists
 //! every failing combination; each boot's whole report (serial log, daemon logs) is kept
 //! in `target/tmp/integrity/`.
@@ -221,12 +221,14 @@ fn check_daemon(daemon: &mut Daemon, label: &str, problems: &mut Vec<String>) {
             for q in 0..usize::from(NUM_QUEUES) {
                 match sums.iter().find(|s| s.queue == q) {
                     None => problems.push(format!(
-                        "{label}: no `queue {q}: .. requests completed, .. rejected` line in the log"
+                        "{label}: no `queue {q}: .. requests completed, .. rejected, .. failed` line in the log"
                     )),
-                    Some(s) if s.rejected != 0 || s.completed == 0 => problems.push(format!(
-                        "{label}: queue {q}: {} requests completed, {} rejected (want > 0 and 0)",
-                        s.completed, s.rejected
-                    )),
+                    Some(s) if s.rejected != 0 || s.failed != 0 || s.completed == 0 => {
+                        problems.push(format!(
+                            "{label}: queue {q}: {} requests completed, {} rejected, {} failed (want > 0, 0 and 0)",
+                            s.completed, s.rejected, s.failed
+                        ))
+                    }
                     Some(_) => {}
                 }
             }

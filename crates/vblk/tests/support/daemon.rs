@@ -315,7 +315,10 @@ impl Daemon {
         loop {
             let log = fs::read_to_string(&self.log).unwrap_or_default();
             let after = log.split("frontend disconnected").nth(nth).unwrap_or("");
-            let lines: Vec<_> = after.lines().filter_map(parse_summary).collect();
+            let lines: Vec<_> = queue_summaries(after)
+                .into_iter()
+                .map(|q| (q.queue, q.completed, q.rejected, q.failed))
+                .collect();
             if lines.len() >= queues {
                 return lines;
             }
@@ -341,22 +344,6 @@ impl Daemon {
     }
 }
 
-/// `queue 0: 74 requests completed, 0 rejected, 0 failed` (after the log line's header).
-fn parse_summary(line: &str) -> Option<(usize, u64, u64, u64)> {
-    let rest = line.split("] queue ").nth(1)?;
-    let (q, counts) = rest.split_once(": ")?;
-    let n: Vec<u64> = counts
-        .split(", ")
-        .map(|c| c.split(' ').next()?.parse().ok())
-        .collect::<Option<_>>()?;
-    match n[..] {
-        [done, rejected, failed] if counts.contains("requests completed") => {
-            Some((q.parse().ok()?, done, rejected, failed))
-        }
-        _ => None,
-    }
-}
-
 /// Prints the daemon's command line and log if the test fails while this lives.
 pub struct ShowLogOnPanic<'a>(pub &'a Daemon);
 
@@ -379,12 +366,13 @@ impl Drop for Daemon {
 }
 
 /// `vblk serve`'s per-queue summary, logged when a frontend disconnects:
-/// `queue {q}: {done} requests completed, {bad} rejected`.
+/// `queue {q}: {done} requests completed, {bad} rejected, {failed} failed`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QueueSummary {
     pub queue: usize,
     pub completed: u64,
     pub rejected: u64,
+    pub failed: u64,
 }
 
 /// Every per-queue summary line in a `vblk serve` log, in order.
@@ -394,11 +382,13 @@ pub fn queue_summaries(log: &str) -> Vec<QueueSummary> {
             let rest = &line[line.find("] queue ")? + "] queue ".len()..];
             let (q, rest) = rest.split_once(": ")?;
             let (done, rest) = rest.split_once(" requests completed, ")?;
-            let bad = rest.strip_suffix(" rejected")?;
+            let (bad, rest) = rest.split_once(" rejected, ")?;
+            let failed = rest.strip_suffix(" failed")?;
             Some(QueueSummary {
                 queue: q.parse().ok()?,
                 completed: done.parse().ok()?,
                 rejected: bad.parse().ok()?,
+                failed: failed.parse().ok()?,
             })
         })
         .collect()
