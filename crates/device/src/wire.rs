@@ -313,37 +313,24 @@ pub(crate) fn ack(sock: &mut UnixStream, msg: &Message, ok: bool) -> Result<(), 
 #[derive(Debug)]
 pub(crate) struct BackendChannel {
     sock: UnixStream,
-    reply_ack: bool,
 }
 
 impl BackendChannel {
-    pub(crate) fn new(sock: UnixStream, reply_ack: bool) -> BackendChannel {
-        BackendChannel { sock, reply_ack }
+    pub(crate) fn new(sock: UnixStream) -> BackendChannel {
+        BackendChannel { sock }
     }
 
-    /// Tell the frontend the configuration space changed (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG)
-    /// and, with REPLY_ACK, wait (at most a second) for its answer.
+    /// Tell the frontend the configuration space changed
+    /// (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG). No answer is asked for, as libvhost-user
+    /// does: QEMU reads the new configuration (GET_CONFIG, on the main socket) before it
+    /// would answer, and the daemon must be free to serve that read.
     pub(crate) fn config_changed(&mut self) -> io::Result<()> {
-        let flags = VERSION | if self.reply_ack { FLAG_NEED_REPLY } else { 0 };
         let mut buf = [0u8; HEADER_LEN];
         buf[0..4].copy_from_slice(&BACKEND_CONFIG_CHANGE_MSG.to_le_bytes());
-        buf[4..8].copy_from_slice(&flags.to_le_bytes());
-        self.sock.write_all(&buf)?;
-        if !self.reply_ack {
-            return Ok(());
-        }
+        buf[4..8].copy_from_slice(&VERSION.to_le_bytes());
         self.sock
-            .set_read_timeout(Some(std::time::Duration::from_secs(1)))?;
-        let mut ans = [0u8; HEADER_LEN + 8];
-        self.sock.read_exact(&mut ans)?;
-        if le32(&ans, 0) != BACKEND_CONFIG_CHANGE_MSG || le64(&ans, HEADER_LEN) != 0 {
-            return Err(io::Error::other(format!(
-                "the frontend answered the config change with request {} value {}",
-                le32(&ans, 0),
-                le64(&ans, HEADER_LEN)
-            )));
-        }
-        Ok(())
+            .set_write_timeout(Some(std::time::Duration::from_secs(1)))?;
+        self.sock.write_all(&buf)
     }
 }
 

@@ -610,8 +610,7 @@ impl Session {
     }
 
     fn set_backend_req_fd(&mut self, sock: UnixStream) {
-        let reply_ack = self.acked_protocol & protocol::REPLY_ACK != 0;
-        self.backend = Some(BackendChannel::new(sock, reply_ack));
+        self.backend = Some(BackendChannel::new(sock));
     }
 
     fn add_mem_region(&mut self, d: RegionDesc, fd: File) -> Answer<()> {

@@ -89,6 +89,7 @@ pub struct Export {
 }
 
 impl Export {
+    /// `num_queues` 0: the backend's default (no `--num-queues`; vblk only).
     pub fn new(blk_file: impl AsRef<Path>, num_queues: u16) -> Export {
         Export {
             blk_file: blk_file.as_ref().display().to_string(),
@@ -160,7 +161,9 @@ impl Daemon {
                 let mut cmd = Command::new(env!("CARGO_BIN_EXE_vblk"));
                 cmd.arg("serve").arg("--socket-path").arg(socket);
                 cmd.arg("--blk-file").arg(&export.blk_file);
-                cmd.arg("--num-queues").arg(export.num_queues.to_string());
+                if export.num_queues > 0 {
+                    cmd.arg("--num-queues").arg(export.num_queues.to_string());
+                }
                 if export.read_only {
                     cmd.arg("--read-only");
                 }

@@ -174,9 +174,12 @@ impl Drop for TempDir {
 #[derive(Debug, Clone)]
 pub struct Disk {
     pub socket: PathBuf,
-    pub num_queues: u16,
+    /// QEMU's `num-queues`; `None`: QEMU's default (one per vCPU).
+    pub num_queues: Option<u16>,
     /// QEMU's `queue-size` (entries per virtqueue); `None`: QEMU's default (128).
     pub queue_size: Option<u16>,
+    /// `reconnect=1` on the chardev: QEMU reattaches a restarted backend.
+    pub reconnect: bool,
 }
 
 /// A guest boot: devices, script, data files and limits.
@@ -259,8 +262,34 @@ impl Guest {
     pub fn disk(mut self, socket: impl AsRef<Path>, num_queues: u16) -> Guest {
         self.disks.push(Disk {
             socket: socket.as_ref().to_path_buf(),
-            num_queues,
+            num_queues: Some(num_queues),
             queue_size: None,
+            reconnect: false,
+        });
+        self
+    }
+
+    /// Adds a vhost-user-blk-pci device with none of its properties set: what a user
+    /// gets from `-device vhost-user-blk-pci,chardev=...` (one queue per vCPU, 128
+    /// entries).
+    pub fn disk_qemu_defaults(mut self, socket: impl AsRef<Path>) -> Guest {
+        self.disks.push(Disk {
+            socket: socket.as_ref().to_path_buf(),
+            num_queues: None,
+            queue_size: None,
+            reconnect: false,
+        });
+        self
+    }
+
+    /// Adds a vhost-user-blk-pci device whose chardev reconnects (`reconnect=1`), so that
+    /// QEMU reattaches a backend restarted after a crash.
+    pub fn disk_reconnecting(mut self, socket: impl AsRef<Path>, num_queues: u16) -> Guest {
+        self.disks.push(Disk {
+            socket: socket.as_ref().to_path_buf(),
+            num_queues: Some(num_queues),
+            queue_size: None,
+            reconnect: true,
         });
         self
     }
@@ -274,8 +303,9 @@ impl Guest {
     ) -> Guest {
         self.disks.push(Disk {
             socket: socket.as_ref().to_path_buf(),
-            num_queues,
+            num_queues: Some(num_queues),
             queue_size: Some(queue_size),
+            reconnect: false,
         });
         self
     }
@@ -437,12 +467,15 @@ impl Guest {
         cmd.arg("-append").arg(append);
         cmd.args(["-serial", "stdio"]);
         for (i, disk) in self.disks.iter().enumerate() {
-            cmd.arg("-chardev")
-                .arg(format!("socket,id=vhu{i},path={}", disk.socket.display()));
-            let mut device = format!(
-                "vhost-user-blk-pci,chardev=vhu{i},num-queues={}",
-                disk.num_queues
-            );
+            cmd.arg("-chardev").arg(format!(
+                "socket,id=vhu{i},path={}{}",
+                disk.socket.display(),
+                if disk.reconnect { ",reconnect=1" } else { "" }
+            ));
+            let mut device = format!("vhost-user-blk-pci,chardev=vhu{i}");
+            if let Some(n) = disk.num_queues {
+                write!(device, ",num-queues={n}").expect("string");
+            }
             if let Some(q) = disk.queue_size {
                 write!(device, ",queue-size={q}").expect("string");
             }
