@@ -55,8 +55,8 @@ impl Pacer {
     pub fn started(&mut self, dir: IoDir, len: u64, now: Instant) {
         let i = dir_index(dir);
         let mut step = Duration::ZERO;
-        if self.iops[i] > 0 {
-            step = step.max(Duration::from_nanos(1_000_000_000 / self.iops[i]));
+        if let Some(ns) = 1_000_000_000u64.checked_div(self.iops[i]) {
+            step = step.max(Duration::from_nanos(ns));
         }
         if self.bps[i] > 0 {
             let ns = (u128::from(len) * 1_000_000_000 / u128::from(self.bps[i])) as u64;
