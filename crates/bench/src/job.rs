@@ -158,6 +158,9 @@ pub struct JobSpec {
     /// vblk extension `path=`: the driver's I/O path name (`bio`, `batch`, ...), validated by the
     /// runner.
     pub path: Option<String>,
+    /// vblk extension `fua=1`: writes are Force Unit Access (complete only once durable;
+    /// the driver adds a flush after each on a device with a volatile cache).
+    pub fua: bool,
     /// Names of fio options that were accepted and have no effect here, in first-seen order,
     /// without duplicates.
     pub ignored: Vec<String>,
@@ -186,6 +189,7 @@ impl Default for JobSpec {
             rate_iops: [0, 0],
             rate: [0, 0],
             path: None,
+            fua: false,
             ignored: Vec::new(),
         }
     }
@@ -270,6 +274,7 @@ pub fn apply_option(spec: &mut JobSpec, key: &str, value: Option<&str>) -> Resul
         // fio's default and only the linear process is implemented.
         "rate_process" if value.map(str::trim) == Some("linear") => spec.ignore(key),
         "path" => spec.path = Some(need()?.to_string()),
+        "fua" => spec.fua = parse_flag(value)?,
         _ => {
             let other = if harmless(key) {
                 Other::Ignore

@@ -1,13 +1,15 @@
 //! A lane: one job's I/O channel with `depth` buffer slots.
 //!
-//! Two kinds: [`DriverLane`] runs I/O through vblk's driver on a virtqueue (the virtual
-//! path being measured); [`EngineLane`] runs the same I/O straight through a storage engine
-//! on the disk, with no virtio in between (`--baseline`), so the cost of the virtual path
-//! is a measured ratio.
+//! Three kinds: [`DriverLane`] runs I/O through vblk's driver on a virtqueue (the virtual
+//! path being measured: bio, batch, request, auto); [`PassthruLane`] sends raw virtio-blk
+//! commands through the driver's passthru rings with polled completions; [`EngineLane`]
+//! runs the same I/O straight through a storage engine on the disk, with no virtio in
+//! between (`--baseline`), so the cost of the virtual path is a measured ratio.
 
 use std::sync::Arc;
 
-use driver::{Buffer, ErrorKind, Queue};
+use driver::{Buffer, Cmd, Cqe, Data, ErrorKind, Io, Passthru, PassthruOptions, Queue};
+use proto::wire::req_type;
 use storage::{Backend, Engine, EngineKind, Op};
 
 use crate::workload::IoDir;
@@ -27,21 +29,31 @@ pub trait Lane: Send {
     fn unplug(&mut self) -> Result<(), String>;
     /// Append at least `min` finished I/Os to `out` (and any others already finished).
     fn wait(&mut self, min: usize, out: &mut Vec<Done>) -> Result<(), String>;
+    /// What the lane's path did, for the report (merges, auto's choice), if anything.
+    fn describe(&self) -> Option<String> {
+        None
+    }
 }
 
 /// I/O through the driver on one virtqueue.
 pub struct DriverLane {
     queue: Queue,
     bufs: Vec<Option<Buffer>>,
+    fua: bool,
 }
 
 impl DriverLane {
-    /// A lane on `queue` with `depth` buffers of `max_block` bytes.
-    pub fn new(queue: Queue, depth: usize, max_block: usize) -> Result<DriverLane, String> {
+    /// A lane on `queue` with `depth` buffers of `max_block` bytes; writes are FUA if `fua`.
+    pub fn new(
+        queue: Queue,
+        depth: usize,
+        max_block: usize,
+        fua: bool,
+    ) -> Result<DriverLane, String> {
         let bufs = (0..depth)
             .map(|_| queue.alloc(max_block).map(Some).map_err(|e| e.to_string()))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(DriverLane { queue, bufs })
+        Ok(DriverLane { queue, bufs, fua })
     }
 }
 
@@ -65,10 +77,12 @@ impl Lane for DriverLane {
             .take()
             .ok_or_else(|| format!("slot {slot} is already in flight"))?;
         b.set_len(len as usize).map_err(|e| e.to_string())?;
-        let r = match dir {
-            IoDir::Read => self.queue.read(offset, b, slot as u64),
-            IoDir::Write => self.queue.write(offset, b, slot as u64),
+        let io = match dir {
+            IoDir::Read => Io::read(offset, b, slot as u64),
+            IoDir::Write if self.fua => Io::write(offset, b, slot as u64).fua(),
+            IoDir::Write => Io::write(offset, b, slot as u64),
         };
+        let r = self.queue.submit(io);
         r.map_err(|e| {
             self.bufs[slot] = e.bufs.into_one();
             e.error.to_string()
@@ -97,6 +111,131 @@ impl Lane for DriverLane {
             self.bufs[slot] = c.bufs.into_one();
             out.push((slot, c.result.map_err(kind_msg)));
             got += 1;
+        }
+    }
+
+    fn describe(&self) -> Option<String> {
+        let mut parts = Vec::new();
+        if let Some(a) = self.queue.auto_report() {
+            let trials: Vec<String> = a
+                .trials
+                .iter()
+                .map(|t| format!("{} {:.0} IOPS {:.2} us/IO", t.path, t.iops, t.cpu_us_per_io))
+                .collect();
+            parts.push(format!(
+                "auto: {} ({}; {} choice(s){}{})",
+                a.current,
+                a.reason,
+                a.choices,
+                if trials.is_empty() {
+                    ""
+                } else {
+                    "; last trials: "
+                },
+                trials.join(", ")
+            ));
+        }
+        if let Some(r) = self.queue.request_stats() {
+            if r.dispatched > 0 {
+                parts.push(format!(
+                    "request path: {} back and {} front merges, {} requests dispatched, {} plug flushes",
+                    r.back_merges, r.front_merges, r.dispatched, r.plug_flushes
+                ));
+            }
+        }
+        (!parts.is_empty()).then(|| parts.join("; "))
+    }
+}
+
+/// Raw commands through the driver's passthru rings, completions polled.
+pub struct PassthruLane {
+    pt: Passthru,
+    cqes: Vec<Cqe>,
+}
+
+impl PassthruLane {
+    /// A passthru lane on `queue` with `depth` registered buffers of `max_block` bytes.
+    pub fn new(queue: Queue, depth: usize, max_block: usize) -> Result<PassthruLane, String> {
+        let mut pt =
+            Passthru::new(queue, PassthruOptions::default()).map_err(|e| e.error.to_string())?;
+        let bufs = (0..depth)
+            .map(|_| pt.alloc(max_block).map_err(|e| e.to_string()))
+            .collect::<Result<Vec<_>, _>>()?;
+        pt.register(bufs).map_err(|e| e.to_string())?;
+        let cqes = vec![
+            Cqe {
+                user_data: 0,
+                status: Ok(0),
+                used_len: 0,
+            };
+            depth
+        ];
+        Ok(PassthruLane { pt, cqes })
+    }
+}
+
+impl Lane for PassthruLane {
+    fn depth(&self) -> usize {
+        self.cqes.len()
+    }
+
+    fn buf(&mut self, slot: usize, len: usize) -> &mut [u8] {
+        let b = self
+            .pt
+            .buffer_mut(slot as u16)
+            .expect("slot buffer is registered");
+        let len = len.min(b.len());
+        &mut b[..len]
+    }
+
+    fn submit(&mut self, slot: usize, dir: IoDir, offset: u64, len: u64) -> Result<(), String> {
+        let (type_, from_device) = match dir {
+            IoDir::Read => (req_type::IN, true),
+            IoDir::Write => (req_type::OUT, false),
+        };
+        self.pt
+            .push(Cmd {
+                type_,
+                ioprio: 0,
+                sector: offset / 512,
+                data: Some(Data {
+                    buf: slot as u16,
+                    offset: 0,
+                    len: len as u32,
+                    from_device,
+                }),
+                user_data: slot as u64,
+            })
+            .map_err(|e| e.to_string())
+    }
+
+    fn unplug(&mut self) -> Result<(), String> {
+        self.pt.submit().map(drop).map_err(|e| e.to_string())
+    }
+
+    fn wait(&mut self, min: usize, out: &mut Vec<Done>) -> Result<(), String> {
+        let mut got = 0;
+        loop {
+            if self.pt.queued() > 0 {
+                self.pt.submit().map_err(|e| e.to_string())?;
+            }
+            let want = min.saturating_sub(got).min(self.pt.in_flight());
+            let n = self
+                .pt
+                .wait(want, &mut self.cqes)
+                .map_err(|e| e.to_string())?;
+            for c in &self.cqes[..n] {
+                let r = match c.status {
+                    Ok(0) => Ok(()),
+                    Ok(s) => Err(format!("device status {s}")),
+                    Err(k) => Err(k.to_string()),
+                };
+                out.push((c.user_data as usize, r));
+            }
+            got += n;
+            if got >= min || (self.pt.in_flight() == 0 && self.pt.queued() == 0) {
+                return Ok(());
+            }
         }
     }
 }
@@ -137,6 +276,7 @@ pub struct EngineLane {
     iov: Vec<libc::iovec>,
     in_flight: usize,
     pushed: bool,
+    fua: bool,
     _backend: Arc<Backend>,
 }
 
@@ -144,12 +284,13 @@ pub struct EngineLane {
 unsafe impl Send for EngineLane {}
 
 impl EngineLane {
-    /// A lane with its own engine of `kind` on `backend`.
+    /// A lane with its own engine of `kind` on `backend`; writes are durable if `fua`.
     pub fn new(
         backend: Arc<Backend>,
         kind: EngineKind,
         depth: usize,
         max_block: usize,
+        fua: bool,
     ) -> Result<EngineLane, String> {
         let engine = backend
             .engine(kind, depth as u32)
@@ -170,6 +311,7 @@ impl EngineLane {
             iov,
             in_flight: 0,
             pushed: false,
+            fua,
             _backend: backend,
         })
     }
@@ -201,7 +343,7 @@ impl Lane for EngineLane {
                 offset,
                 iov,
                 iovcnt: 1,
-                durable: false,
+                durable: self.fua,
             },
         };
         // SAFETY: the iovec and its buffer belong to `slot`, which stays untouched until its

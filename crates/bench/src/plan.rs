@@ -88,6 +88,12 @@ pub fn apply_variant(
                 _ => return Err(bad("expected 0 or 1")),
             }
         }
+        (
+            "elevator" | "scheduler" | "fifo_batch" | "read_expire" | "write_expire"
+            | "writes_starved" | "front_merges" | "max_sectors_kb" | "nomerges" | "plug_count"
+            | "queue_depth",
+            _,
+        ) => run.request.set(&key_n, value).map_err(|e| bad(&e))?,
         ("queue_size", _) => run.queue_size = value.parse().map_err(|_| bad("not a number"))?,
         ("spin_us", _) => {
             run.spin = Duration::from_micros(value.parse().map_err(|_| bad("not a number"))?)

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use driver::PathKind;
+use driver::{PathKind, RequestOptions};
 
 use crate::job::{JobSpec, Size};
 use crate::lane::{Done, Lane};
@@ -32,6 +32,8 @@ pub struct RunConfig {
     pub pin: bool,
     /// CPUs for the job threads: clone i on `job_cpus[i % len]` (empty: not pinned).
     pub job_cpus: Vec<usize>,
+    /// The request path's tunables (elevator, fifo_batch, ...).
+    pub request: RequestOptions,
 }
 
 impl Default for RunConfig {
@@ -43,6 +45,7 @@ impl Default for RunConfig {
             seed: 0x5eed,
             pin: true,
             job_cpus: Vec::new(),
+            request: RequestOptions::default(),
         }
     }
 }
@@ -260,6 +263,8 @@ pub fn run_job(
         batch: batch.clamp(1, u32::from(u16::MAX)) as u16,
         spin: cfg.spin,
         queue_size: cfg.queue_size,
+        request: cfg.request,
+        fua: spec.fua,
     };
     let (lanes, geo) = target.lanes(clones, depth, max_block, attach)?;
     let mut notes: Vec<String> = spec
@@ -318,10 +323,16 @@ pub fn run_job(
         let dev0 = target.device_sample();
         let help0 = target.helper_sample();
         let mut lanes = Vec::new();
+        let mut lane_notes = Vec::new();
         let results: Vec<Result<CloneResult, String>> = handles
             .into_iter()
             .map(|h| {
                 let (r, lane) = h?.join().map_err(|_| "a job thread panicked".to_string())?;
+                if let Some(d) = lane.describe() {
+                    if !lane_notes.contains(&d) {
+                        lane_notes.push(d);
+                    }
+                }
                 lanes.push(lane);
                 r
             })
@@ -329,6 +340,7 @@ pub fn run_job(
         let dev = dev0.and_then(|d0| target.device_sample().map(|d1| d1.since(&d0)));
         let help = target.helper_sample().since(&help0);
         drop(lanes);
+        notes.extend(lane_notes);
         (results, dev, help)
     });
     let clones_out = results.into_iter().collect::<Result<Vec<_>, _>>()?;

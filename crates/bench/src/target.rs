@@ -7,10 +7,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use device::DeviceConfig;
-use driver::{Disk, DiskOptions, PathKind, QueueOptions};
+use driver::{Disk, DiskOptions, PathKind, QueueOptions, RequestOptions};
 use storage::{Backend, CacheMode, DiskSpec, EngineKind, OpenOptions};
 
-use crate::lane::{DriverLane, EngineLane, Lane};
+use crate::lane::{DriverLane, EngineLane, Lane, PassthruLane};
 use crate::stats::ThreadSample;
 
 /// Where to run.
@@ -48,6 +48,10 @@ pub struct AttachOptions {
     pub spin: Duration,
     /// Entries per virtqueue.
     pub queue_size: u16,
+    /// The request path's tunables.
+    pub request: RequestOptions,
+    /// Writes are FUA.
+    pub fua: bool,
 }
 
 struct Embedded {
@@ -222,7 +226,7 @@ impl Target {
         if let (Some(b), TargetSpec::Baseline { engine, .. }) = (&self.backend, &self.spec) {
             let lanes = (0..n)
                 .map(|_| {
-                    EngineLane::new(b.clone(), *engine, depth, max_block)
+                    EngineLane::new(b.clone(), *engine, depth, max_block, attach.fua)
                         .map(|l| Box::new(l) as Box<dyn Lane>)
                 })
                 .collect::<Result<Vec<_>, _>>()?;
@@ -242,6 +246,7 @@ impl Target {
                 path: attach.path,
                 batch: attach.batch,
                 spin: attach.spin,
+                request: attach.request,
             },
             ..Default::default()
         };
@@ -250,7 +255,13 @@ impl Target {
         let lanes = disk
             .take_queues()
             .into_iter()
-            .map(|q| DriverLane::new(q, depth, max_block).map(|l| Box::new(l) as Box<dyn Lane>))
+            .map(|q| -> Result<Box<dyn Lane>, String> {
+                if attach.path == PathKind::Passthru {
+                    Ok(Box::new(PassthruLane::new(q, depth, max_block)?))
+                } else {
+                    Ok(Box::new(DriverLane::new(q, depth, max_block, attach.fua)?))
+                }
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok((
             lanes,

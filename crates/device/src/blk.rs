@@ -37,6 +37,8 @@ pub(crate) struct Blk {
     pub blk_size: u32,
     /// DISCARD is offered.
     pub discard: bool,
+    /// vblk's hint block (outside the virtio configuration space).
+    pub hints: proto::config::Hints,
 }
 
 impl Blk {
@@ -91,6 +93,9 @@ impl Blk {
             max_queue_size: config.queue_size,
             blk_size: disk.logical_block_size(),
             discard,
+            hints: proto::config::Hints {
+                rotational: config.rotational.unwrap_or_else(|| disk.rotational()),
+            },
         }
     }
 

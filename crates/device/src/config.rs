@@ -78,6 +78,11 @@ pub struct DeviceConfig {
     pub control_socket: Option<PathBuf>,
     /// Files and block devices: image locking and the format probe.
     pub image: storage::ImageChecks,
+    /// Tell vblk drivers (in the hint block, never the guest) that the disk is rotational:
+    /// seeks cost and the host does not reorder, so merging and sorting in the driver
+    /// pay. None: from the disk (`hdd:` is; files and block devices are not assumed to
+    /// be, as a virtual machine's disks all claim to be rotational in sysfs).
+    pub rotational: Option<bool>,
 }
 
 impl Default for DeviceConfig {
@@ -98,6 +103,7 @@ impl Default for DeviceConfig {
             image: Default::default(),
             allow_shrink: false,
             inflight: true,
+            rotational: None,
             delay: None,
             control_socket: None,
         }

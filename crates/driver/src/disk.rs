@@ -107,6 +107,39 @@ pub struct DiskInfo {
     pub feature_names: Vec<String>,
     /// Names of the vhost-user protocol features negotiated.
     pub protocol_feature_names: Vec<String>,
+    /// What a vblk device says about its disk beyond virtio (all false elsewhere).
+    pub hints: DeviceHints,
+}
+
+/// vblk's hint block: what the device knows about its disk that virtio-blk has no field
+/// for, and that the driver's `auto` path uses.
+///
+/// It lies outside the virtio configuration space: the driver reads it with a vhost-user
+/// GET_CONFIG at offset [`HINT_OFFSET`] (past any virtio-blk configuration), which QEMU
+/// and other frontends never ask for, so standard guests neither see it nor depend on it.
+/// The block starts with the magic [`HINT_MAGIC`]; a device that ignores the offset (as
+/// libvhost-user does) answers with the start of its configuration instead, which does not
+/// match, and a device that refuses the read is taken as giving no hints.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceHints {
+    /// The disk seeks (a rotational disk, `hdd:`), and the host does not reorder: merging
+    /// and sorting in the driver pay.
+    pub rotational: bool,
+}
+
+/// Where vblk's hint block lies in vhost-user's configuration address space.
+pub const HINT_OFFSET: u32 = proto::config::HINT_OFFSET;
+/// The first 8 bytes of the hint block.
+pub const HINT_MAGIC: [u8; 8] = proto::config::HINT_MAGIC;
+
+impl DeviceHints {
+    /// Decode a hint block (None: not vblk's).
+    pub fn from_bytes(b: &[u8]) -> Option<DeviceHints> {
+        let h = proto::config::Hints::from_bytes(b)?;
+        Some(DeviceHints {
+            rotational: h.rotational,
+        })
+    }
 }
 
 /// How to attach.
@@ -131,6 +164,10 @@ pub struct DiskOptions {
     /// How long the handshake may take before attaching fails (a device that never
     /// answers must not hang the caller).
     pub attach_timeout: Duration,
+    /// Set the device's cache mode when it lets the driver (CONFIG_WCE): `Some(true)`
+    /// writeback, `Some(false)` writethrough (Linux's `cache_type`); None leaves it as
+    /// the device has it.
+    pub write_cache: Option<bool>,
 }
 
 impl Default for DiskOptions {
@@ -144,6 +181,7 @@ impl Default for DiskOptions {
             protocol_features: supported_protocol_features(),
             queue: QueueOptions::default(),
             attach_timeout: Duration::from_secs(30),
+            write_cache: None,
         }
     }
 }
@@ -170,6 +208,8 @@ pub(crate) struct Limits {
     pub write_zeroes_may_unmap: bool,
     pub seg_max: u32,
     pub size_max: u32,
+    /// A volatile write cache: FUA needs a flush after the write.
+    pub write_cache: bool,
 }
 
 impl From<&DiskInfo> for Limits {
@@ -185,6 +225,7 @@ impl From<&DiskInfo> for Limits {
             write_zeroes_may_unmap: i.write_zeroes_may_unmap,
             seg_max: i.seg_max,
             size_max: i.size_max,
+            write_cache: i.write_cache,
         }
     }
 }
@@ -377,6 +418,16 @@ impl Disk {
             )
             .map_err(|e| connect_err("GET_CONFIG", e))?;
         let cfg = BlkConfig::from_bytes(&cfg_bytes);
+        let hints = fe
+            .get_config(
+                HINT_OFFSET,
+                proto::config::HINT_LEN as u32,
+                VhostUserConfigFlags::WRITABLE,
+                &[0u8; proto::config::HINT_LEN],
+            )
+            .ok()
+            .and_then(|(_, b)| DeviceHints::from_bytes(&b))
+            .unwrap_or_default();
         let acked = device_features & wanted_features(opts);
         let has = |b| acked & feature::bit(b) != 0;
         let mut device_queues = if has(feature::MQ) {
@@ -448,6 +499,28 @@ impl Disk {
                 .map_err(|e| connect_err("SET_MEM_TABLE", e))?;
         }
 
+        let mut writeback = cfg.writeback != 0;
+        if let Some(wc) = opts.write_cache {
+            if has(feature::CONFIG_WCE) {
+                fe.set_config(
+                    proto::config::WRITEBACK_OFFSET as u32,
+                    VhostUserConfigFlags::WRITABLE,
+                    &[u8::from(wc)],
+                )
+                .map_err(|e| connect_err("SET_CONFIG (writeback)", e))?;
+                writeback = wc;
+            } else if has(feature::FLUSH) != wc {
+                info!(
+                    "{name}: the device does not let the driver choose its cache mode (no \
+                     CONFIG_WCE); it stays {}",
+                    if has(feature::FLUSH) {
+                        "writeback"
+                    } else {
+                        "writethrough"
+                    }
+                );
+            }
+        }
         let blk = if has(feature::BLK_SIZE) && cfg.blk_size >= 512 && cfg.blk_size.is_power_of_two()
         {
             cfg.blk_size
@@ -460,7 +533,7 @@ impl Disk {
             capacity_sectors: cfg.capacity,
             logical_block_size: blk,
             read_only: has(feature::RO),
-            write_cache: has(feature::FLUSH) && (!has(feature::CONFIG_WCE) || cfg.writeback != 0),
+            write_cache: has(feature::FLUSH) && (!has(feature::CONFIG_WCE) || writeback),
             flush: has(feature::FLUSH),
             discard: has(feature::DISCARD),
             max_discard_sectors: if has(feature::DISCARD) {
@@ -488,6 +561,7 @@ impl Disk {
             protocol_features: proto.bits(),
             feature_names: feature_names(device_features),
             protocol_feature_names: protocol_names(proto),
+            hints,
         };
 
         let mut rings = Vec::with_capacity(usize::from(num_queues));
@@ -556,6 +630,7 @@ impl Disk {
                     kick,
                     call,
                     opts.queue,
+                    hints.rotational,
                 ))
             })
             .collect();

@@ -1,57 +1,16 @@
 //! The driver against vblk's own device, in one process over a Unix socket in a temp dir.
 
 use std::path::PathBuf;
-use std::sync::mpsc;
 use std::time::Duration;
 
-use device::{DeviceConfig, Listen};
+use device::DeviceConfig;
 use storage::{DiskSpec, EngineKind};
 use vblk_driver::disk::supported_protocol_features;
 use vblk_driver::{Disk, DiskOptions, ErrorKind, PathKind, QueueOptions};
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 
-/// A device serving `config` on a fresh socket; it runs until the test process exits.
-fn start(config: DeviceConfig) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("vblk.sock");
-    let listen = Listen::Path(sock.clone());
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let controls = device::Controls::new().unwrap();
-        let r = device::serve(&config, &listen, &controls, &mut || tx.send(()).unwrap());
-        if let Err(e) = r {
-            panic!("device failed: {e}");
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(10))
-        .expect("device did not start");
-    (dir, sock)
-}
-
-fn mem_device(queues: u16) -> DeviceConfig {
-    DeviceConfig {
-        disk: DiskSpec::Mem(64 << 20),
-        num_queues: queues,
-        threads: 1,
-        ..Default::default()
-    }
-}
-
-/// A deterministic pseudo-random generator (xorshift), so failures reproduce.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut r = Rng(seed | 1);
-    (0..len).map(|_| r.next() as u8).collect()
-}
+mod common;
+use common::{mem_device, pattern, start, Rng};
 
 #[test]
 fn info_reports_what_the_device_offers() {

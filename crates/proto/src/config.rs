@@ -13,6 +13,50 @@ pub const NUM_QUEUES_OFFSET: usize = 34;
 /// fields, which stay zero). Reads past it return zeroes.
 pub const CONFIG_LEN: usize = 72;
 
+/// Where vblk's hint block lies in vhost-user's configuration address space: past every
+/// virtio-blk configuration field, where no standard frontend reads.
+pub const HINT_OFFSET: u32 = 0x100;
+/// The hint block's first bytes.
+pub const HINT_MAGIC: [u8; 8] = *b"vblkhint";
+/// Bytes of the hint block: magic, le16 version, le16 flags, 4 reserved.
+pub const HINT_LEN: usize = 16;
+/// Version of the hint block's layout.
+pub const HINT_VERSION: u16 = 1;
+/// Hint flag: the disk is rotational and the host does not reorder.
+pub const HINT_ROTATIONAL: u16 = 1;
+
+/// What a vblk device says about its disk beyond virtio-blk's configuration (read by the
+/// driver's `auto` path; never part of the virtio configuration space a guest sees).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Hints {
+    /// The disk seeks; merging and sorting in the driver pay.
+    pub rotational: bool,
+}
+
+impl Hints {
+    /// The hint block as the device sends it.
+    pub fn to_bytes(&self) -> [u8; HINT_LEN] {
+        let mut b = [0u8; HINT_LEN];
+        b[..8].copy_from_slice(&HINT_MAGIC);
+        b[8..10].copy_from_slice(&HINT_VERSION.to_le_bytes());
+        let flags = if self.rotational { HINT_ROTATIONAL } else { 0 };
+        b[10..12].copy_from_slice(&flags.to_le_bytes());
+        b
+    }
+
+    /// Decode a hint block; None when the magic does not match (not a vblk device) or it
+    /// is too short. Unknown flags and later versions' extra bytes are ignored.
+    pub fn from_bytes(b: &[u8]) -> Option<Hints> {
+        if b.len() < 12 || b[..8] != HINT_MAGIC {
+            return None;
+        }
+        let flags = u16::from_le_bytes([b[10], b[11]]);
+        Some(Hints {
+            rotational: flags & HINT_ROTATIONAL != 0,
+        })
+    }
+}
+
 /// The values the device publishes in its configuration space.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BlkConfig {

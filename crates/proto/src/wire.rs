@@ -58,10 +58,14 @@ pub mod req_type {
     pub const FLUSH: u32 = 4;
     /// Read the device ID string.
     pub const GET_ID: u32 = 8;
+    /// Read the device's lifetime (wear) information.
+    pub const GET_LIFETIME: u32 = 10;
     /// Discard sectors.
     pub const DISCARD: u32 = 11;
     /// Write zeroes to sectors.
     pub const WRITE_ZEROES: u32 = 13;
+    /// Securely erase sectors.
+    pub const SECURE_ERASE: u32 = 14;
 }
 
 /// Status byte values.

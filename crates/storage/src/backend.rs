@@ -248,6 +248,13 @@ impl Backend {
         self.logical_block_size
     }
 
+    /// Whether the disk seeks, as far as vblk knows for sure. Files and block devices are
+    /// not assumed to: sysfs's `rotational` is 1 for most virtual disks (virtio-blk sets
+    /// no flag), whatever lies under them.
+    pub fn rotational(&self) -> bool {
+        false
+    }
+
     /// Whether writes are refused.
     pub fn read_only(&self) -> bool {
         self.read_only

@@ -91,11 +91,11 @@ pub struct BenchArgs {
     /// crc32c: check every block written when it is read back (and after the run).
     #[arg(long, value_name = "KIND")]
     pub verify: Option<String>,
-    /// Issue at most this many I/Os per second per job (R[,W]: reads, writes; `,W` limits
+    /// Issue at most this many I/Os per second per job (R or R,W: reads, writes; `,W` limits
     /// writes only), like fio: for comparing devices at equal offered load.
     #[arg(long = "rate_iops", alias = "rate-iops", value_name = "R[,W]")]
     pub rate_iops: Option<String>,
-    /// Issue at most this many bytes per second per job (R[,W], with k/m/g suffixes).
+    /// Issue at most this many bytes per second per job (R or R,W, with k/m/g suffixes).
     #[arg(long, value_name = "R[,W]")]
     pub rate: Option<String>,
 
@@ -124,9 +124,82 @@ pub struct BenchArgs {
     #[arg(long, value_name = "T", default_value_t = 1)]
     pub threads: usize,
 
-    /// The driver's I/O path: bio, batch.
+    /// The driver's I/O path: bio (each I/O straight to the ring), batch (one notification
+    /// per batch), request (plug, merge, elevator), passthru (raw commands, polled
+    /// completions), auto (chosen from the device's hints and trials).
     #[arg(long, value_name = "PATH", default_value = "bio")]
     pub path: String,
+    /// The request path's elevator: noop (FIFO with merging), deadline (mq-deadline), bfq
+    /// (proportional share between flows).
+    #[arg(
+        long,
+        value_name = "NAME",
+        help_heading = "Request path (Linux's sysfs names)"
+    )]
+    pub elevator: Option<String>,
+    /// deadline: requests served in sector order per batch (default 16).
+    #[arg(
+        long,
+        value_name = "N",
+        help_heading = "Request path (Linux's sysfs names)"
+    )]
+    pub fifo_batch: Option<String>,
+    /// deadline: a read waiting this long is served next, ms (default 500).
+    #[arg(
+        long,
+        value_name = "MS",
+        help_heading = "Request path (Linux's sysfs names)"
+    )]
+    pub read_expire: Option<String>,
+    /// deadline: a write waiting this long is served next, ms (default 5000).
+    #[arg(
+        long,
+        value_name = "MS",
+        help_heading = "Request path (Linux's sysfs names)"
+    )]
+    pub write_expire: Option<String>,
+    /// deadline: read batches that may pass waiting writes (default 2).
+    #[arg(
+        long,
+        value_name = "N",
+        help_heading = "Request path (Linux's sysfs names)"
+    )]
+    pub writes_starved: Option<String>,
+    /// deadline: 0 turns front merges off (default 1).
+    #[arg(
+        long,
+        value_name = "0|1",
+        help_heading = "Request path (Linux's sysfs names)"
+    )]
+    pub front_merges: Option<String>,
+    /// Largest merged request, KiB (default 1280).
+    #[arg(
+        long,
+        value_name = "KIB",
+        help_heading = "Request path (Linux's sysfs names)"
+    )]
+    pub max_sectors_kb: Option<String>,
+    /// 0 merge everywhere, 1 only with the plug's last request, 2 never (default 0).
+    #[arg(
+        long,
+        value_name = "0|1|2",
+        help_heading = "Request path (Linux's sysfs names)"
+    )]
+    pub nomerges: Option<String>,
+    /// Requests the plug gathers before it is flushed (default 32).
+    #[arg(
+        long,
+        value_name = "N",
+        help_heading = "Request path (Linux's sysfs names)"
+    )]
+    pub plug_count: Option<String>,
+    /// Requests on the ring at most; more wait in the elevator (default 0: the ring size).
+    #[arg(
+        long,
+        value_name = "N",
+        help_heading = "Request path (Linux's sysfs names)"
+    )]
+    pub queue_depth: Option<String>,
     /// Entries per virtqueue.
     #[arg(long, value_name = "N", default_value_t = 256)]
     pub queue_size: u16,
@@ -258,6 +331,25 @@ impl TryFrom<&BenchArgs> for Plan {
                 ..plan::embedded_defaults()
             })
         };
+        let mut request = driver::RequestOptions::default();
+        for (k, v) in [
+            ("elevator", &a.elevator),
+            ("fifo_batch", &a.fifo_batch),
+            ("read_expire", &a.read_expire),
+            ("write_expire", &a.write_expire),
+            ("writes_starved", &a.writes_starved),
+            ("front_merges", &a.front_merges),
+            ("max_sectors_kb", &a.max_sectors_kb),
+            ("nomerges", &a.nomerges),
+            ("plug_count", &a.plug_count),
+            ("queue_depth", &a.queue_depth),
+        ] {
+            if let Some(v) = v {
+                request
+                    .set(k, v)
+                    .map_err(|e| format!("--{}: {e}", k.replace('_', "-")))?;
+            }
+        }
         let run = RunConfig {
             path: a.path.parse().map_err(|e: String| format!("--path: {e}"))?,
             spin: Duration::from_micros(a.spin_us),
@@ -265,6 +357,7 @@ impl TryFrom<&BenchArgs> for Plan {
             seed: a.seed,
             pin: !a.no_pin,
             job_cpus: Vec::new(),
+            request,
         };
         let compare = match (&a.compare, a.is_default_run()) {
             (Some(c), _) => {

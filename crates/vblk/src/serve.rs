@@ -139,6 +139,11 @@ pub struct ServeArgs {
     /// order; for comparison and for frontends that mishandle the region.
     #[arg(long)]
     pub no_inflight: bool,
+    /// Tell vblk drivers the disk is rotational (seeks cost, the host does not reorder), so
+    /// that their `auto` path merges and sorts. Only vblk's driver reads this hint (outside
+    /// the virtio configuration space); guests never see it. (hdd: disks say so already.)
+    #[arg(long)]
+    pub rotational: bool,
 
     /// Serve live statistics on this Unix socket: per queue, requests and bytes by type,
     /// errors, requests in flight, latency histograms; per worker, polling hits and
@@ -225,6 +230,7 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             submit_batch: a.submit_batch,
             allow_shrink: a.allow_shrink,
             inflight: !a.no_inflight,
+            rotational: a.rotational.then_some(true),
             delay: a.delay_every,
             control_socket: a.control_socket,
             image: ImageChecks {

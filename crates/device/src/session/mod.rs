@@ -527,6 +527,11 @@ impl Session {
     }
 
     fn get_config(&mut self, offset: u32, size: u32) -> Answer<Vec<u8>> {
+        if offset == proto::config::HINT_OFFSET && size as usize <= proto::config::HINT_LEN {
+            // vblk's hint block: past the virtio configuration space, read only by vblk's
+            // driver (QEMU asks for offset 0 and the config's size).
+            return Ok(self.blk.hints.to_bytes()[..size as usize].to_vec());
+        }
         self.blk.config_space().read(offset, size).ok_or_else(|| {
             refuse(format!(
                 "GET_CONFIG: offset {offset} size {size} is out of range"
