@@ -24,6 +24,8 @@
 mod blk;
 pub mod config;
 pub mod daemon;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod memory;
 mod poll;
 mod ring;
