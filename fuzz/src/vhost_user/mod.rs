@@ -97,8 +97,9 @@ const PROTOCOL: u64 = 1 << 0 | 1 << 3 | 1 << 9 | 1 << 15;
 /// What the harness does between two messages.
 #[derive(Debug)]
 enum Step {
-    /// Let the device handle the next message; what it means to the harness if handled.
-    Msg(Effect),
+    /// Let the device handle the next message (of this code); what it means to the
+    /// harness if handled.
+    Msg(u32, Effect),
     /// Write into guest memory.
     Write(Writes),
     /// Requests put on queue q, its available index now this.
@@ -158,7 +159,7 @@ impl Gen<'_, '_> {
             return;
         }
         match m.send(self.sock) {
-            Ok(()) => self.steps.push(Step::Msg(effect)),
+            Ok(()) => self.steps.push(Step::Msg(m.code, effect)),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.full = true,
             Err(e) => panic!("cannot send to the device: {e}"),
         }
@@ -661,10 +662,10 @@ fn session(fx: &Fixture, data: &[u8]) {
             eprintln!("step {i}: {step:?}");
         }
         match step {
-            Step::Msg(effect) => {
+            Step::Msg(code, effect) => {
                 let r = conn.handle_one();
                 if trace {
-                    eprintln!("  -> {r:?}");
+                    eprintln!("  message {code} -> {r:?}");
                 }
                 if r.is_err() || conn.poisoned() {
                     break;
@@ -712,6 +713,9 @@ fn session(fx: &Fixture, data: &[u8]) {
                 fds.mem[0].set_len(*len).expect("truncate");
             }
         }
+    }
+    if trace {
+        eprintln!("poisoned: {}", conn.poisoned());
     }
     // Ends the session: its worker is joined, its mappings and fds released.
     drop(conn);
