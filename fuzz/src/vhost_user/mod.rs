@@ -104,8 +104,9 @@ enum Step {
     Write(Writes),
     /// Requests put on queue q, its available index now this.
     Fill(usize, Writes, u16),
-    /// Kick queue q and wait (briefly) until its requests are used.
-    Kick(usize),
+    /// Kick queue q and, if asked, wait (briefly) until its requests are used; without
+    /// the wait the messages that follow race with the worker serving them.
+    Kick(usize, bool),
     /// Truncate memfd A.
     Truncate(u64),
 }
@@ -410,11 +411,12 @@ impl Gen<'_, '_> {
             0..=2 => {
                 let q = (self.inp.u8() & 1) as usize;
                 self.fill(q);
-                self.steps.push(Step::Kick(q));
+                self.steps.push(Step::Kick(q, true));
                 return;
             }
             3 => {
-                self.steps.push(Step::Kick((self.inp.u8() & 1) as usize));
+                self.steps
+                    .push(Step::Kick((self.inp.u8() & 1) as usize, false));
                 return;
             }
             4 => {
@@ -642,7 +644,7 @@ fn session(fx: &Fixture, data: &[u8]) {
     if setup & 1 == 0 {
         g.handshake();
         g.fill(0);
-        g.steps.push(Step::Kick(0));
+        g.steps.push(Step::Kick(0, true));
     }
     while !g.inp.is_empty() && g.steps.len() < MAX_OPS && !g.full {
         g.op();
@@ -689,9 +691,9 @@ fn session(fx: &Fixture, data: &[u8]) {
                 guest::apply(&fds.mem[0], mem_len, w);
                 published[*q] = *avail;
             }
-            Step::Kick(q) => {
+            Step::Kick(q, wait) => {
                 let _ = (&fds.kick[*q]).write(&1u64.to_ne_bytes());
-                if started[*q] && enabled[*q] {
+                if *wait && started[*q] && enabled[*q] {
                     let t = Instant::now();
                     while t.elapsed() < KICK_WAIT
                         && guest::used_idx(&fds.mem[0], *q) != Some(published[*q])
