@@ -3,6 +3,7 @@
 //! Not an API: the session type stays private to the crate, and this module only lets a
 //! fuzz target drive one vhost-user connection message by message, as the daemon does
 //! (`daemon::serve_one`), without a listening socket.
+#![doc(hidden)]
 
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
