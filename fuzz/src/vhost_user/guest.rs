@@ -63,6 +63,8 @@ pub struct Driver {
     pub avail: u16,
     next_desc: u16,
     next_buf: u64,
+    /// The buffer area wrapped during the current fill.
+    wrapped: bool,
 }
 
 impl Default for Driver {
@@ -72,8 +74,39 @@ impl Default for Driver {
             avail: 0,
             next_desc: 0,
             next_buf: 0,
+            wrapped: false,
         }
     }
+}
+
+/// A request the driver put on a ring.
+#[derive(Clone, Copy, Debug)]
+pub struct Sent {
+    /// Its head.
+    pub head: u16,
+    /// Guest address of its status byte (0xff until the device answers).
+    pub status: u64,
+    /// Some(used length) when the device must complete it with status OK: a read, a
+    /// write or a GET_ID inside the disk (no feature needed).
+    pub ok_len: Option<u32>,
+}
+
+/// The requests of one fill and the writes that put them on the ring.
+#[derive(Debug)]
+pub struct Fill {
+    /// Queue.
+    pub q: usize,
+    /// The queue size the driver assumed.
+    pub size: u16,
+    /// What to write into guest memory.
+    pub writes: Writes,
+    /// The available index after it.
+    pub avail: u16,
+    /// The requests.
+    pub sent: Vec<Sent>,
+    /// Nothing was broken on purpose and no buffer or descriptor was reused within the
+    /// fill: each request's status can be checked once the device has used it.
+    pub checkable: bool,
 }
 
 /// Writes to guest memory (memfd A, offset = guest address), collected when the
@@ -93,16 +126,24 @@ impl Driver {
     fn buf(&mut self, q: usize, len: u64) -> u64 {
         if self.next_buf + len > 0x4000 {
             self.next_buf = 0;
+            self.wrapped = true;
         }
         let at = buf_area(q) + self.next_buf;
         self.next_buf += (len + 15) & !15;
         at
     }
 
-    /// Put 1 to 8 requests on queue `q` (rarely broken ones) and publish them.
-    pub fn fill(&mut self, q: usize, inp: &mut Input, w: &mut Writes) {
+    /// Put 1 to 8 requests on queue `q` (rarely broken ones) and publish them. Buffers
+    /// start again at the beginning of the queue's area.
+    pub fn fill(&mut self, q: usize, inp: &mut Input) -> Fill {
         let size = self.size.max(1);
         let (table, avail, _) = ring_gpa(q);
+        let mut w = Writes::new();
+        let mut sent = Vec::new();
+        let mut checkable = true;
+        let mut descs = 0u32;
+        self.next_buf = 0;
+        self.wrapped = false;
         for _ in 0..1 + inp.below(8) {
             let type_ = match inp.below(8) {
                 0 | 6 => req_type::IN,
@@ -114,7 +155,8 @@ impl Driver {
                 _ => inp.u32(),
             };
             // The RAM disk has 2048 sectors.
-            let sector = if inp.rare() {
+            let odd_sector = inp.rare();
+            let sector = if odd_sector {
                 inp.u64()
             } else {
                 inp.below(2040)
@@ -145,10 +187,25 @@ impl Driver {
                 }
                 _ => {}
             }
-            bufs.push((self.buf(q, 1), 1, true));
+            let status = self.buf(q, 1);
+            bufs.push((status, 1, true));
+            w.push((status, vec![0xff]));
+            let ok_len = match type_ {
+                _ if odd_sector => None,
+                req_type::IN => Some(data_len as u32 + 1),
+                req_type::OUT => Some(1),
+                req_type::GET_ID => Some(21),
+                _ => None,
+            };
 
             let head = self.next_desc % size;
+            sent.push(Sent {
+                head,
+                status,
+                ok_len,
+            });
             if inp.u8() & 3 == 3 {
+                descs += 1;
                 // One indirect descriptor, its table among the buffers.
                 let t = self.buf(q, 16 * bufs.len() as u64);
                 let mut table_bytes = Vec::new();
@@ -162,6 +219,7 @@ impl Driver {
                 w.push((table + 16 * u64::from(head), d));
                 self.next_desc = self.next_desc.wrapping_add(1);
             } else {
+                descs += bufs.len() as u32;
                 for (i, &(a, l, wr)) in bufs.iter().enumerate() {
                     let idx = self.next_desc.wrapping_add(i as u16) % size;
                     let next = self.next_desc.wrapping_add(i as u16 + 1) % size;
@@ -175,6 +233,7 @@ impl Driver {
                 // A raw descriptor somewhere in the table.
                 let at = table + 16 * inp.below(u64::from(size));
                 w.push((at, inp.bytes(16)));
+                checkable = false;
             }
             let slot = avail + 4 + 2 * u64::from(self.avail % size);
             w.push((slot, head.to_le_bytes().to_vec()));
@@ -182,8 +241,17 @@ impl Driver {
         }
         if inp.rare() {
             self.avail = self.avail.wrapping_add(inp.u16());
+            checkable = false;
         }
         w.push((avail + 2, self.avail.to_le_bytes().to_vec()));
+        Fill {
+            q,
+            size,
+            writes: w,
+            avail: self.avail,
+            sent,
+            checkable: checkable && !self.wrapped && descs <= u32::from(size),
+        }
     }
 }
 
@@ -196,6 +264,25 @@ pub fn apply(mem: &File, len: u64, writes: &Writes) {
             let _ = mem.write_at(&bytes[..room], *at);
         }
     }
+}
+
+/// Used element `i` of queue `q` of `size` entries: (id, length).
+pub fn used_elem(mem: &File, q: usize, size: u16, i: u16) -> Option<(u32, u32)> {
+    let mut b = [0u8; 8];
+    let (_, _, used) = ring_gpa(q);
+    let at = used + 4 + 8 * u64::from(i % size.max(1));
+    mem.read_exact_at(&mut b, at).ok()?;
+    Some((
+        u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+    ))
+}
+
+/// The byte at guest address `at`.
+pub fn byte_at(mem: &File, at: u64) -> Option<u8> {
+    let mut b = [0u8; 1];
+    mem.read_exact_at(&mut b, at).ok()?;
+    Some(b[0])
 }
 
 /// The used index of queue `q`, as the device last published it.

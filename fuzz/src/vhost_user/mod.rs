@@ -102,11 +102,13 @@ enum Step {
     Msg(u32, Effect),
     /// Write into guest memory.
     Write(Writes),
-    /// Requests put on queue q, its available index now this.
-    Fill(usize, Writes, u16),
+    /// Requests put on a queue.
+    Fill(guest::Fill),
     /// Kick queue q and, if asked, wait (briefly) until its requests are used; without
-    /// the wait the messages that follow race with the worker serving them.
-    Kick(usize, bool),
+    /// the wait the messages that follow race with the worker serving them. Then, if
+    /// the session so far was clean (nothing but fills, kicks and questions), check how
+    /// the device answered them.
+    Kick(usize, bool, bool),
     /// Truncate memfd A.
     Truncate(u64),
 }
@@ -151,6 +153,8 @@ struct Gen<'a, 'b> {
     steps: Vec<Step>,
     drivers: [Driver; QUEUES],
     full: bool,
+    /// Nothing but the handshake, fills, waited kicks and questions so far.
+    clean: bool,
 }
 
 impl Gen<'_, '_> {
@@ -166,11 +170,11 @@ impl Gen<'_, '_> {
         }
     }
 
-    /// Put requests on queue `q`.
-    fn fill(&mut self, q: usize) {
-        let mut w = Writes::new();
-        self.drivers[q].fill(q, self.inp, &mut w);
-        self.steps.push(Step::Fill(q, w, self.drivers[q].avail));
+    /// Put requests on queue `q` and kick it.
+    fn fill_and_kick(&mut self, q: usize) {
+        let f = self.drivers[q].fill(q, self.inp);
+        self.steps.push(Step::Fill(f));
+        self.steps.push(Step::Kick(q, true, self.clean));
     }
 
     /// Header flags: version 1, sometimes NEED_REPLY, rarely anything; and rarely a size
@@ -407,16 +411,20 @@ impl Gen<'_, '_> {
     fn op(&mut self) {
         let state = |q: u32, n: u32| Payload::default().u32(q).u32(n).0;
         let mut effect = Effect::None;
-        let m = match self.inp.below(32) {
+        let op = self.inp.below(32);
+        // Fills and questions keep the session clean.
+        if !matches!(op, 0..=2 | 6 | 18 | 20 | 22) {
+            self.clean = false;
+        }
+        let m = match op {
             0..=2 => {
                 let q = (self.inp.u8() & 1) as usize;
-                self.fill(q);
-                self.steps.push(Step::Kick(q, true));
+                self.fill_and_kick(q);
                 return;
             }
             3 => {
-                self.steps
-                    .push(Step::Kick((self.inp.u8() & 1) as usize, false));
+                let q = (self.inp.u8() & 1) as usize;
+                self.steps.push(Step::Kick(q, false, false));
                 return;
             }
             4 => {
@@ -640,11 +648,11 @@ fn session(fx: &Fixture, data: &[u8]) {
         steps: Vec::new(),
         drivers: [Driver::default(); QUEUES],
         full: false,
+        clean: true,
     };
     if setup & 1 == 0 {
         g.handshake();
-        g.fill(0);
-        g.steps.push(Step::Kick(0, true));
+        g.fill_and_kick(0);
     }
     while !g.inp.is_empty() && g.steps.len() < MAX_OPS && !g.full {
         g.op();
@@ -657,6 +665,11 @@ fn session(fx: &Fixture, data: &[u8]) {
     let mut started = [false; QUEUES];
     let mut enabled = [true; QUEUES];
     let mut published = [0u16; QUEUES];
+    // Per queue: the requests of the last fill while they can be checked, the used
+    // index checked up to, and whether anything left the ring in an unknown state.
+    let mut pending: [Option<guest::Fill>; QUEUES] = [None, None];
+    let mut seen_used = [0u16; QUEUES];
+    let mut dirty = [false; QUEUES];
     let mut scratch = vec![0u8; 8192];
     let trace = crate::trace();
     for (i, step) in steps.iter().enumerate() {
@@ -687,28 +700,44 @@ fn session(fx: &Fixture, data: &[u8]) {
                 }
             }
             Step::Write(w) => guest::apply(&fds.mem[0], mem_len, w),
-            Step::Fill(q, w, avail) => {
-                guest::apply(&fds.mem[0], mem_len, w);
-                published[*q] = *avail;
+            Step::Fill(f) => {
+                guest::apply(&fds.mem[0], mem_len, &f.writes);
+                published[f.q] = f.avail;
+                pending[f.q] = None;
+                if f.checkable {
+                    pending[f.q] = Some(guest::Fill {
+                        writes: Vec::new(),
+                        sent: f.sent.clone(),
+                        ..*f
+                    });
+                }
             }
-            Step::Kick(q, wait) => {
-                let _ = (&fds.kick[*q]).write(&1u64.to_ne_bytes());
-                if *wait && started[*q] && enabled[*q] {
-                    let t = Instant::now();
-                    while t.elapsed() < KICK_WAIT
-                        && guest::used_idx(&fds.mem[0], *q) != Some(published[*q])
-                    {
-                        std::thread::sleep(Duration::from_micros(20));
-                    }
-                    if trace {
-                        let used = guest::used_idx(&fds.mem[0], *q);
-                        eprintln!(
-                            "  used {used:?} of {} after {:?}",
-                            published[*q],
-                            t.elapsed()
-                        );
+            Step::Kick(q, wait, check) => {
+                let q = *q;
+                let _ = (&fds.kick[q]).write(&1u64.to_ne_bytes());
+                if !(*wait && started[q] && enabled[q]) {
+                    dirty[q] = true;
+                    continue;
+                }
+                let used = || guest::used_idx(&fds.mem[0], q);
+                let t = Instant::now();
+                while t.elapsed() < KICK_WAIT && used() != Some(published[q]) {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+                if trace {
+                    let (u, p, dt) = (used(), published[q], t.elapsed());
+                    eprintln!("  used {u:?} of {p} after {dt:?}");
+                }
+                if used() != Some(published[q]) {
+                    dirty[q] = true; // still working, or the queue stopped
+                    continue;
+                }
+                if let Some(f) = pending[q].take() {
+                    if *check && !dirty[q] {
+                        check_answers(&fds.mem[0], &f, seen_used[q]);
                     }
                 }
+                seen_used[q] = published[q];
             }
             Step::Truncate(len) => {
                 mem_len = *len;
@@ -721,6 +750,44 @@ fn session(fx: &Fixture, data: &[u8]) {
     }
     // Ends the session: its worker is joined, its mappings and fds released.
     drop(conn);
+}
+
+/// The device used exactly the chains of fill `f` (after `from`), each with a status,
+/// and completed every request that must succeed with OK and its used length.
+fn check_answers(mem: &File, f: &guest::Fill, from: u16) {
+    let mut left = f.sent.clone();
+    let n = f.avail.wrapping_sub(from);
+    assert_eq!(
+        usize::from(n),
+        left.len(),
+        "used index moved by {n} for the {} chains of {f:?}",
+        left.len()
+    );
+    for i in 0..n {
+        let Some((id, len)) = guest::used_elem(mem, f.q, f.size, from.wrapping_add(i)) else {
+            return; // guest memory truncated: not this check's business
+        };
+        let k = left
+            .iter()
+            .position(|s| u32::from(s.head) == id)
+            .unwrap_or_else(|| panic!("device used head {id}, not one made available: {f:?}"));
+        let s = left.swap_remove(k);
+        let status = guest::byte_at(mem, s.status);
+        if crate::trace() {
+            eprintln!("  checked head {id}: status {status:?}, used length {len}, {s:?}");
+        }
+        assert!(
+            matches!(status, Some(0..=2)),
+            "request at head {id} answered with status {status:?} (used length {len}): {f:?}"
+        );
+        if let Some(ok_len) = s.ok_len {
+            assert_eq!(
+                (status, len),
+                (Some(0), ok_len),
+                "request at head {id} must succeed with used length {ok_len}: {f:?}"
+            );
+        }
+    }
 }
 
 fn count_fds() -> usize {
