@@ -102,7 +102,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub baseline: bool,
     /// The disk of the embedded device or the baseline: PATH, mem:SIZE, null:SIZE,
-    /// nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH.
+    /// `nbd://HOST[:PORT]/EXPORT`, `nbd+unix:///EXPORT?socket=PATH`.
     #[arg(long, value_name = "SPEC", default_value = "mem:1G")]
     pub disk: DiskSpec,
     /// Engine of the embedded device or the baseline: io_uring, sync.

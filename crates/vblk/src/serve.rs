@@ -46,7 +46,7 @@ pub struct ServeArgs {
 
     /// The disk: a raw image file or block device (PATH), a RAM disk (mem:SIZE, e.g.
     /// mem:1G), a null disk (null:SIZE: reads return zeroes, writes are dropped), or an
-    /// export on an NBD server (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH).
+    /// export on an NBD server (`nbd://HOST[:PORT]/EXPORT`, `nbd+unix:///EXPORT?socket=PATH`).
     /// SIZE takes K, M, G, T suffixes (powers of 1024) and must be a multiple of 512.
     #[arg(long, value_name = "SPEC")]
     pub blk_file: Option<DiskSpec>,
