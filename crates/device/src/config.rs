@@ -83,6 +83,8 @@ pub struct DeviceConfig {
     /// pay. None: from the disk (`hdd:` is; files and block devices are not assumed to
     /// be, as a virtual machine's disks all claim to be rotational in sysfs).
     pub rotational: Option<bool>,
+    /// NBD disks: reconnection limit, timeout, connections per worker.
+    pub nbd: storage::nbd::NbdOptions,
 }
 
 impl Default for DeviceConfig {
@@ -106,6 +108,7 @@ impl Default for DeviceConfig {
             rotational: None,
             delay: None,
             control_socket: None,
+            nbd: Default::default(),
         }
     }
 }

@@ -158,6 +158,7 @@ pub fn serve(
             cache: config.cache,
             prealloc: config.prealloc,
             image: config.image,
+            nbd: config.nbd,
         },
     )?);
     info!(

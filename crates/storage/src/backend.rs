@@ -19,6 +19,7 @@ use crate::error::Error;
 use crate::format::{probe_file, Format};
 use crate::inline::InlineEngine;
 use crate::lock::{lock_image, Access, ImageLock};
+use crate::nbd::{Export, NbdEngine, NbdOptions};
 use crate::spec::{DiskSpec, SECTOR_SIZE};
 use crate::sync_engine::SyncEngine;
 use crate::uring_engine::UringEngine;
@@ -75,6 +76,8 @@ pub struct OpenOptions {
     pub prealloc: bool,
     /// Files and block devices only: image locking and the format probe.
     pub image: ImageChecks,
+    /// NBD disks only: reconnection, timeouts, connections per engine.
+    pub nbd: NbdOptions,
 }
 
 /// What is checked, and held, on a file or block device before it is served. The default
@@ -102,6 +105,8 @@ pub enum BackendKind {
     Mem,
     /// Reads zeroes, drops writes.
     Null,
+    /// An export on an NBD server.
+    Nbd,
 }
 
 /// What `fallocate` modes turned out to be unsupported, learnt once per backend so
@@ -146,6 +151,7 @@ pub struct Backend {
     cache: CacheMode,
     serial: String,
     pub(crate) caps: FallocCaps,
+    nbd: Option<Arc<Export>>,
 }
 
 // SAFETY: the only field that is not Send + Sync is the RAM disk's mapping, a
@@ -167,6 +173,14 @@ impl Backend {
                 check_sector_multiple(*size)?;
                 Ok(Backend::bare(BackendKind::Null, *size, "vblk-null", opts))
             }
+            DiskSpec::Nbd(spec) => {
+                let ex = Export::open(spec, opts.read_only, opts.nbd)?;
+                let mut b = Backend::bare(BackendKind::Nbd, ex.info.size, "", opts);
+                b.logical_block_size = ex.block;
+                b.serial = nbd_serial(spec);
+                b.nbd = Some(Arc::new(ex));
+                Ok(b)
+            }
         }
     }
 
@@ -183,6 +197,7 @@ impl Backend {
             cache: opts.cache,
             serial: serial.to_owned(),
             caps: FallocCaps::default(),
+            nbd: None,
         }
     }
 
@@ -266,9 +281,14 @@ impl Backend {
     }
 
     /// Whether [`Op::Discard`](crate::Op::Discard) is worth sending (false when
-    /// read-only).
+    /// read-only, or on an NBD export whose server does not take NBD_CMD_TRIM).
     pub fn supports_discard(&self) -> bool {
-        !self.read_only
+        !self.read_only && self.nbd.as_ref().is_none_or(|ex| ex.can_trim())
+    }
+
+    /// What the NBD handshake learnt (NBD disks only).
+    pub fn nbd_export(&self) -> Option<crate::nbd::ExportInfo> {
+        self.nbd.as_ref().map(|ex| ex.info)
     }
 
     /// Whether [`Op::WriteZeroes`](crate::Op::WriteZeroes) works (false when
@@ -296,13 +316,16 @@ impl Backend {
 
     /// A per-worker engine; `depth` = the most operations ever in flight at once
     /// (1..=[`MAX_DEPTH`](crate::MAX_DEPTH)). RAM and null disks get the inline
-    /// engine whatever `kind` says.
+    /// engine, NBD disks the NBD engine (its own connection), whatever `kind` says.
     pub fn engine(
         self: &Arc<Self>,
         kind: EngineKind,
         depth: u32,
     ) -> Result<Box<dyn Engine>, Error> {
         let depth_n = check_depth(depth)?;
+        if let Some(ex) = &self.nbd {
+            return Ok(Box::new(NbdEngine::new(Arc::clone(ex), depth_n)?));
+        }
         match (self.kind, kind) {
             (BackendKind::Mem | BackendKind::Null, _) => {
                 Ok(Box::new(InlineEngine::new(Arc::clone(self), depth_n)))
@@ -487,6 +510,7 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
         cache: opts.cache,
         serial: serial_from_path(path),
         caps: FallocCaps::default(),
+        nbd: None,
     })
 }
 
@@ -552,6 +576,26 @@ fn open_mem(size: u64, opts: &OpenOptions) -> Result<Backend, Error> {
     backend.file = Some(file);
     backend.map = Some(MemMap { ptr, len });
     Ok(backend)
+}
+
+/// An NBD disk's serial: the export name, or the socket's or host's name, at most 20
+/// bytes (the last ones).
+fn nbd_serial(spec: &crate::nbd::NbdSpec) -> String {
+    let name = if !spec.export.is_empty() {
+        spec.export.clone()
+    } else {
+        match &spec.addr {
+            crate::nbd::NbdAddr::Unix(p) => p
+                .file_name()
+                .map_or_else(|| "nbd".to_owned(), |n| n.to_string_lossy().into_owned()),
+            crate::nbd::NbdAddr::Tcp { host, .. } => host.clone(),
+        }
+    };
+    let mut start = name.len().saturating_sub(SERIAL_MAX);
+    while !name.is_char_boundary(start) {
+        start += 1;
+    }
+    name[start..].to_owned()
 }
 
 /// The file name, or its last 20 bytes (cut at a character boundary) if longer.

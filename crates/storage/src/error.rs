@@ -17,7 +17,7 @@ use crate::spec::format_size;
 #[non_exhaustive]
 pub enum Error {
     /// A disk spec was the empty string.
-    #[error("empty disk spec (expected PATH, mem:SIZE or null:SIZE)")]
+    #[error("empty disk spec (expected PATH, mem:SIZE, null:SIZE or an nbd:// URI)")]
     EmptySpec,
     /// A size was the empty string.
     #[error(
@@ -183,6 +183,15 @@ pub enum Error {
         depth: u32,
         /// The largest depth allowed.
         max: u32,
+    },
+    /// An NBD export could not be named, reached or served.
+    #[error("{uri}: {source}")]
+    Nbd {
+        /// The URI, as given or as vblk writes it.
+        uri: String,
+        /// What went wrong.
+        #[source]
+        source: crate::nbd::NbdError,
     },
     /// The kernel refused to set up an engine (e.g. io_uring disabled).
     #[error("{engine} engine with depth {depth}: {}", errno_text(source))]

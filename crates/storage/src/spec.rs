@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use crate::error::Error;
+use crate::nbd::{NbdError, NbdSpec};
 
 /// The sector size: every disk size and every I/O is a multiple of it.
 pub const SECTOR_SIZE: u64 = 512;
@@ -13,8 +14,9 @@ pub const SECTOR_SIZE: u64 = 512;
 /// What a disk is: the SPEC grammar used wherever vblk names a disk.
 ///
 /// `PATH` names a regular file or a block device, `mem:SIZE` a RAM disk of SIZE
-/// bytes, `null:SIZE` a disk that reads zeroes and drops writes. A file whose name
-/// starts with `mem:` or `null:` is written `./mem:...`.
+/// bytes, `null:SIZE` a disk that reads zeroes and drops writes, `nbd://...` and
+/// `nbd+unix://...` an NBD export. A file whose name starts with `mem:`, `null:` or
+/// `nbd` and a colon is written `./mem:...`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DiskSpec {
     /// A regular file or a block device.
@@ -23,6 +25,9 @@ pub enum DiskSpec {
     Mem(u64),
     /// A null disk of this many bytes.
     Null(u64),
+    /// An export on an NBD server: `nbd://HOST[:PORT]/EXPORT` or
+    /// `nbd+unix:///EXPORT?socket=PATH`.
+    Nbd(NbdSpec),
 }
 
 impl FromStr for DiskSpec {
@@ -38,6 +43,14 @@ impl FromStr for DiskSpec {
         if let Some(size) = s.strip_prefix("null:") {
             return Ok(DiskSpec::Null(parse_size(size)?));
         }
+        if NbdSpec::looks_like_uri(s) {
+            return NbdSpec::parse(s)
+                .map(DiskSpec::Nbd)
+                .map_err(|why| Error::Nbd {
+                    uri: s.to_owned(),
+                    source: NbdError::Uri(why),
+                });
+        }
         Ok(DiskSpec::File(PathBuf::from(s)))
     }
 }
@@ -47,7 +60,11 @@ impl fmt::Display for DiskSpec {
         match self {
             DiskSpec::File(path) => {
                 let text = path.to_string_lossy();
-                if path.is_relative() && (text.starts_with("mem:") || text.starts_with("null:")) {
+                if path.is_relative()
+                    && (text.starts_with("mem:")
+                        || text.starts_with("null:")
+                        || NbdSpec::looks_like_uri(&text))
+                {
                     write!(f, "{}", Path::new(".").join(path).display())
                 } else {
                     write!(f, "{}", path.display())
@@ -55,6 +72,7 @@ impl fmt::Display for DiskSpec {
             }
             DiskSpec::Mem(size) => write!(f, "mem:{}", format_size(*size)),
             DiskSpec::Null(size) => write!(f, "null:{}", format_size(*size)),
+            DiskSpec::Nbd(spec) => write!(f, "{spec}"),
         }
     }
 }

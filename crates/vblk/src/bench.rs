@@ -108,7 +108,8 @@ pub struct BenchArgs {
     /// Run the job on the disk through io_uring with no virtio in between.
     #[arg(long)]
     pub baseline: bool,
-    /// The disk of the embedded device or the baseline: PATH, mem:SIZE, null:SIZE.
+    /// The disk of the embedded device or the baseline: PATH, mem:SIZE, null:SIZE,
+    /// `nbd://HOST[:PORT]/EXPORT`, `nbd+unix:///EXPORT?socket=PATH`.
     #[arg(long, value_name = "SPEC", default_value = "mem:1G")]
     pub disk: DiskSpec,
     /// Engine of the embedded device or the baseline: io_uring, sync.
@@ -117,6 +118,10 @@ pub struct BenchArgs {
     /// Host cache of the embedded device or the baseline: none (O_DIRECT), writeback.
     #[arg(long, value_name = "MODE", default_value = "writeback")]
     pub cache: String,
+    /// NBD disks: connections per embedded-device worker (or baseline job) when the server
+    /// offers multi-conn.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub nbd_conns: u32,
     /// Polling window of the embedded device's workers, µs.
     #[arg(long, value_name = "US", default_value_t = device::config::DEFAULT_POLL_US)]
     pub poll_us: u64,
@@ -328,6 +333,10 @@ impl TryFrom<&BenchArgs> for Plan {
                 cache,
                 poll_us: a.poll_us,
                 threads: a.threads,
+                nbd: storage::nbd::NbdOptions {
+                    conns: a.nbd_conns.clamp(1, 64),
+                    ..Default::default()
+                },
                 ..plan::embedded_defaults()
             })
         };

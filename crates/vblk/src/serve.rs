@@ -3,10 +3,12 @@
 use std::error::Error;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use device::config::{DEFAULT_NUM_QUEUES, DEFAULT_POLL_US, DEFAULT_QUEUE_SIZE};
 use device::{Controls, DeviceConfig, Listen};
+use storage::nbd::NbdOptions;
 use storage::{CacheMode, DiskSpec, EngineKind, Format, ImageChecks, ImageLock};
 
 /// Serve a disk as a vhost-user-blk device.
@@ -43,8 +45,9 @@ pub struct ServeArgs {
     pub print_capabilities: bool,
 
     /// The disk: a raw image file or block device (PATH), a RAM disk (mem:SIZE, e.g.
-    /// mem:1G) or a null disk (null:SIZE: reads return zeroes, writes are dropped). SIZE
-    /// takes K, M, G, T suffixes (powers of 1024) and must be a multiple of 512.
+    /// mem:1G), a null disk (null:SIZE: reads return zeroes, writes are dropped), or an
+    /// export on an NBD server (`nbd://HOST[:PORT]/EXPORT`, `nbd+unix:///EXPORT?socket=PATH`).
+    /// SIZE takes K, M, G, T suffixes (powers of 1024) and must be a multiple of 512.
     #[arg(long, value_name = "SPEC")]
     pub blk_file: Option<DiskSpec>,
 
@@ -109,6 +112,23 @@ pub struct ServeArgs {
     /// are served in memory by either.
     #[arg(long, value_name = "ENGINE", default_value = "io_uring", value_parser = parse_engine)]
     pub engine: EngineKind,
+
+    /// NBD disks: when the connection to the server breaks, hold the requests in flight
+    /// and reconnect for up to this many seconds, replaying them on the new connection;
+    /// then fail them (and later ones, while the server stays away) with IOERR.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub nbd_reconnect_secs: u64,
+
+    /// NBD disks: a request with no reply (and no byte from the server) for this many
+    /// seconds means the connection is dead (a silent server); also the limit of one
+    /// connection attempt.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub nbd_timeout_secs: u64,
+
+    /// NBD disks: connections per worker when the server offers multi-conn (1-64; a server
+    /// without it gets one, and then only one writable worker).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub nbd_conns: u32,
 
     /// After its queues run dry a worker keeps polling for up to this many microseconds
     /// (adapting down when polling finds nothing) before it re-enables notifications and
@@ -214,7 +234,7 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
         };
         let disk = a
             .blk_file
-            .ok_or("--blk-file SPEC is required (a PATH, mem:SIZE or null:SIZE)")?;
+            .ok_or("--blk-file SPEC is required (a PATH, mem:SIZE, null:SIZE or nbd:// URI)")?;
         let config = DeviceConfig {
             disk,
             read_only: a.read_only,
@@ -233,6 +253,11 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             rotational: a.rotational.then_some(true),
             delay: a.delay_every,
             control_socket: a.control_socket,
+            nbd: NbdOptions {
+                reconnect: Duration::from_secs(a.nbd_reconnect_secs),
+                timeout: Duration::from_secs(a.nbd_timeout_secs.max(1)),
+                conns: a.nbd_conns.clamp(1, 64),
+            },
             image: ImageChecks {
                 lock: match a.image_lock {
                     LockArg::On => ImageLock::On,
