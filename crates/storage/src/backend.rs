@@ -1,6 +1,7 @@
 //! Backends: where a disk's bytes live. [`Backend::open`] turns a [`DiskSpec`]
-//! into an opened regular file, block device, RAM disk (a memfd mapped shared) or
-//! null disk, and [`Backend::engine`] gives each worker its own engine on it.
+//! into an opened regular file, block device, RAM disk (a memfd mapped shared), null
+//! disk or simulated hard disk (a RAM disk with a timing model, `hdd.rs`), and
+//! [`Backend::engine`] gives each worker its own engine on it.
 
 use std::fmt;
 use std::fs::File;
@@ -17,6 +18,7 @@ use crate::bounce::{probe_dio, DioAlign, DioProbe};
 use crate::engine::{check_depth, Engine, EngineKind};
 use crate::error::Error;
 use crate::format::{probe_file, Format};
+use crate::hdd::{HddDisk, HddEngine, DESKTOP_7200};
 use crate::inline::InlineEngine;
 use crate::lock::{lock_image, Access, ImageLock};
 use crate::spec::{DiskSpec, SECTOR_SIZE};
@@ -102,6 +104,8 @@ pub enum BackendKind {
     Mem,
     /// Reads zeroes, drops writes.
     Null,
+    /// A simulated 7200 rpm disk: a RAM disk whose requests take a hard disk's time.
+    Hdd,
 }
 
 /// What `fallocate` modes turned out to be unsupported, learnt once per backend so
@@ -146,6 +150,8 @@ pub struct Backend {
     cache: CacheMode,
     serial: String,
     pub(crate) caps: FallocCaps,
+    /// The timing model and head position of a simulated hard disk.
+    hdd: Option<HddDisk>,
 }
 
 // SAFETY: the only field that is not Send + Sync is the RAM disk's mapping, a
@@ -167,6 +173,13 @@ impl Backend {
                 check_sector_multiple(*size)?;
                 Ok(Backend::bare(BackendKind::Null, *size, "vblk-null", opts))
             }
+            DiskSpec::Hdd { size, speedup } => {
+                let mut backend = open_mem(*size, opts)?;
+                backend.kind = BackendKind::Hdd;
+                backend.serial = "vblk-hdd".to_owned();
+                backend.hdd = Some(HddDisk::new(*size, *speedup, DESKTOP_7200));
+                Ok(backend)
+            }
         }
     }
 
@@ -183,6 +196,7 @@ impl Backend {
             cache: opts.cache,
             serial: serial.to_owned(),
             caps: FallocCaps::default(),
+            hdd: None,
         }
     }
 
@@ -271,7 +285,7 @@ impl Backend {
     }
 
     /// A serial number of at most 20 bytes: the file name (its last 20 bytes if
-    /// longer), `vblk-mem` or `vblk-null`.
+    /// longer), `vblk-mem`, `vblk-null` or `vblk-hdd`.
     pub fn default_serial(&self) -> String {
         self.serial.clone()
     }
@@ -289,7 +303,8 @@ impl Backend {
 
     /// A per-worker engine; `depth` = the most operations ever in flight at once
     /// (1..=[`MAX_DEPTH`](crate::MAX_DEPTH)). RAM and null disks get the inline
-    /// engine whatever `kind` says.
+    /// engine whatever `kind` says; simulated hard disks get the `hdd` engine (data
+    /// moved inline, completions when the model says they are due).
     pub fn engine(
         self: &Arc<Self>,
         kind: EngineKind,
@@ -300,6 +315,13 @@ impl Backend {
             (BackendKind::Mem | BackendKind::Null, _) => {
                 Ok(Box::new(InlineEngine::new(Arc::clone(self), depth_n)))
             }
+            (BackendKind::Hdd, _) => HddEngine::new(Arc::clone(self), depth_n)
+                .map(|e| Box::new(e) as Box<dyn Engine>)
+                .map_err(|source| Error::EngineSetup {
+                    engine: "hdd",
+                    depth,
+                    source,
+                }),
             (_, EngineKind::Sync) => Ok(Box::new(SyncEngine::new(Arc::clone(self), depth_n))),
             (_, EngineKind::IoUring) => Ok(Box::new(UringEngine::new(Arc::clone(self), depth)?)),
         }
@@ -329,6 +351,11 @@ impl Backend {
     /// The RAM disk's mapping.
     pub(crate) fn map(&self) -> Option<&MemMap> {
         self.map.as_ref()
+    }
+
+    /// The simulated hard disk's model and head.
+    pub(crate) fn hdd(&self) -> Option<&HddDisk> {
+        self.hdd.as_ref()
     }
 }
 
@@ -480,6 +507,7 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
         cache: opts.cache,
         serial: serial_from_path(path),
         caps: FallocCaps::default(),
+        hdd: None,
     })
 }
 

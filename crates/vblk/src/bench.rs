@@ -101,7 +101,8 @@ pub struct BenchArgs {
     /// Run the job on the disk through io_uring with no virtio in between.
     #[arg(long)]
     pub baseline: bool,
-    /// The disk of the embedded device or the baseline: PATH, mem:SIZE, null:SIZE.
+    /// The disk of the embedded device or the baseline: PATH, mem:SIZE, null:SIZE, hdd:SIZE
+    /// (a simulated 7200 rpm disk; hdd:SIZE:xN is N times faster).
     #[arg(long, value_name = "SPEC", default_value = "mem:1G")]
     pub disk: DiskSpec,
     /// Engine of the embedded device or the baseline: io_uring, sync.

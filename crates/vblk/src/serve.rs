@@ -43,7 +43,10 @@ pub struct ServeArgs {
     pub print_capabilities: bool,
 
     /// The disk: a raw image file or block device (PATH), a RAM disk (mem:SIZE, e.g.
-    /// mem:1G) or a null disk (null:SIZE: reads return zeroes, writes are dropped). SIZE
+    /// mem:1G), a null disk (null:SIZE: reads return zeroes, writes are dropped) or a
+    /// simulated 7200 rpm hard disk (hdd:SIZE: a RAM disk whose requests take the time a
+    /// real disk's would, one at a time in arrival order: command overhead, seek by
+    /// distance, rotational latency, media rate; hdd:SIZE:xN runs N times faster). SIZE
     /// takes K, M, G, T suffixes (powers of 1024) and must be a multiple of 512.
     #[arg(long, value_name = "SPEC")]
     pub blk_file: Option<DiskSpec>,
