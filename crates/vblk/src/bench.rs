@@ -91,6 +91,13 @@ pub struct BenchArgs {
     /// crc32c: check every block written when it is read back (and after the run).
     #[arg(long, value_name = "KIND")]
     pub verify: Option<String>,
+    /// Issue at most this many I/Os per second per job (R[,W]: reads, writes; `,W` limits
+    /// writes only), like fio: for comparing devices at equal offered load.
+    #[arg(long = "rate_iops", alias = "rate-iops", value_name = "R[,W]")]
+    pub rate_iops: Option<String>,
+    /// Issue at most this many bytes per second per job (R[,W], with k/m/g suffixes).
+    #[arg(long, value_name = "R[,W]")]
+    pub rate: Option<String>,
 
     /// A vhost-user-blk device to run against instead of the embedded one.
     #[arg(long, value_name = "PATH", conflicts_with = "baseline")]
@@ -168,6 +175,8 @@ impl BenchArgs {
             ("runtime", &self.runtime),
             ("ramp_time", &self.ramp_time),
             ("verify", &self.verify),
+            ("rate_iops", &self.rate_iops),
+            ("rate", &self.rate),
         ]
         .into_iter()
         .filter_map(|(k, v)| v.as_deref().map(|v| (k, Some(v))))
