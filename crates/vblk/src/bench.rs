@@ -91,11 +91,12 @@ pub struct BenchArgs {
     /// crc32c: check every block written when it is read back (and after the run).
     #[arg(long, value_name = "KIND")]
     pub verify: Option<String>,
-    /// Issue at most this many I/Os per second per job (R[,W]: reads, writes; `,W` limits
-    /// writes only), like fio: for comparing devices at equal offered load.
+    /// Issue at most this many I/Os per second per job (`R` or `R,W`: reads, writes; `,W`
+    /// limits writes only), like fio: for comparing devices at equal offered load.
     #[arg(long = "rate_iops", alias = "rate-iops", value_name = "R[,W]")]
     pub rate_iops: Option<String>,
-    /// Issue at most this many bytes per second per job (R[,W], with k/m/g suffixes).
+    /// Issue at most this many bytes per second per job (`R` or `R,W`, with k/m/g
+    /// suffixes).
     #[arg(long, value_name = "R[,W]")]
     pub rate: Option<String>,
 
