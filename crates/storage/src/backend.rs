@@ -1,6 +1,7 @@
 //! Backends: where a disk's bytes live. [`Backend::open`] turns a [`DiskSpec`]
-//! into an opened regular file, block device, RAM disk (a memfd mapped shared) or
-//! null disk, and [`Backend::engine`] gives each worker its own engine on it.
+//! into an opened regular file, block device, RAM disk (a memfd mapped shared), null
+//! disk or simulated hard disk (a RAM disk with a timing model, `hdd.rs`), and
+//! [`Backend::engine`] gives each worker its own engine on it.
 
 use std::fmt;
 use std::fs::File;
@@ -17,6 +18,7 @@ use crate::bounce::{probe_dio, DioAlign, DioProbe};
 use crate::engine::{check_depth, Engine, EngineKind};
 use crate::error::Error;
 use crate::format::{probe_file, Format};
+use crate::hdd::{HddDisk, HddEngine, DESKTOP_7200};
 use crate::inline::InlineEngine;
 use crate::lock::{lock_image, Access, ImageLock};
 use crate::nbd::{Export, NbdEngine, NbdOptions};
@@ -107,6 +109,8 @@ pub enum BackendKind {
     Null,
     /// An export on an NBD server.
     Nbd,
+    /// A simulated 7200 rpm disk: a RAM disk whose requests take a hard disk's time.
+    Hdd,
 }
 
 /// What `fallocate` modes turned out to be unsupported, learnt once per backend so
@@ -152,6 +156,8 @@ pub struct Backend {
     serial: String,
     pub(crate) caps: FallocCaps,
     nbd: Option<Arc<Export>>,
+    /// The timing model and head position of a simulated hard disk.
+    hdd: Option<HddDisk>,
 }
 
 // SAFETY: the only field that is not Send + Sync is the RAM disk's mapping, a
@@ -181,6 +187,13 @@ impl Backend {
                 b.nbd = Some(Arc::new(ex));
                 Ok(b)
             }
+            DiskSpec::Hdd { size, speedup } => {
+                let mut backend = open_mem(*size, opts)?;
+                backend.kind = BackendKind::Hdd;
+                backend.serial = "vblk-hdd".to_owned();
+                backend.hdd = Some(HddDisk::new(*size, *speedup, DESKTOP_7200));
+                Ok(backend)
+            }
         }
     }
 
@@ -198,6 +211,7 @@ impl Backend {
             serial: serial.to_owned(),
             caps: FallocCaps::default(),
             nbd: None,
+            hdd: None,
         }
     }
 
@@ -263,11 +277,11 @@ impl Backend {
         self.logical_block_size
     }
 
-    /// Whether the disk seeks, as far as vblk knows for sure. Files and block devices are
-    /// not assumed to: sysfs's `rotational` is 1 for most virtual disks (virtio-blk sets
+    /// Whether the disk seeks, as far as vblk knows for sure: `hdd:` does. Files and block
+    /// devices are not assumed to: sysfs's `rotational` is 1 for most virtual disks (virtio-blk sets
     /// no flag), whatever lies under them.
     pub fn rotational(&self) -> bool {
-        false
+        self.kind == BackendKind::Hdd
     }
 
     /// Whether writes are refused.
@@ -298,7 +312,7 @@ impl Backend {
     }
 
     /// A serial number of at most 20 bytes: the file name (its last 20 bytes if
-    /// longer), `vblk-mem` or `vblk-null`.
+    /// longer), `vblk-mem`, `vblk-null` or `vblk-hdd`.
     pub fn default_serial(&self) -> String {
         self.serial.clone()
     }
@@ -316,7 +330,9 @@ impl Backend {
 
     /// A per-worker engine; `depth` = the most operations ever in flight at once
     /// (1..=[`MAX_DEPTH`](crate::MAX_DEPTH)). RAM and null disks get the inline
-    /// engine, NBD disks the NBD engine (its own connection), whatever `kind` says.
+    /// engine, NBD disks the NBD engine (its own connection), simulated hard disks the
+    /// `hdd` engine (data moved inline, completions when the model says they are due),
+    /// whatever `kind` says.
     pub fn engine(
         self: &Arc<Self>,
         kind: EngineKind,
@@ -330,6 +346,13 @@ impl Backend {
             (BackendKind::Mem | BackendKind::Null, _) => {
                 Ok(Box::new(InlineEngine::new(Arc::clone(self), depth_n)))
             }
+            (BackendKind::Hdd, _) => HddEngine::new(Arc::clone(self), depth_n)
+                .map(|e| Box::new(e) as Box<dyn Engine>)
+                .map_err(|source| Error::EngineSetup {
+                    engine: "hdd",
+                    depth,
+                    source,
+                }),
             (_, EngineKind::Sync) => Ok(Box::new(SyncEngine::new(Arc::clone(self), depth_n))),
             (_, EngineKind::IoUring) => Ok(Box::new(UringEngine::new(Arc::clone(self), depth)?)),
         }
@@ -359,6 +382,11 @@ impl Backend {
     /// The RAM disk's mapping.
     pub(crate) fn map(&self) -> Option<&MemMap> {
         self.map.as_ref()
+    }
+
+    /// The simulated hard disk's model and head.
+    pub(crate) fn hdd(&self) -> Option<&HddDisk> {
+        self.hdd.as_ref()
     }
 }
 
@@ -511,6 +539,7 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
         serial: serial_from_path(path),
         caps: FallocCaps::default(),
         nbd: None,
+        hdd: None,
     })
 }
 

@@ -204,6 +204,12 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// The speed factor of `hdd:SIZE:xN` is not `x` and a number from 1 to 1000000.
+    #[error("hdd speed factor {input:?} is not xN with N from 1 to 1000000 (e.g. hdd:1G:x10)")]
+    BadSpeedup {
+        /// The text that was given.
+        input: String,
+    },
 }
 
 impl Error {

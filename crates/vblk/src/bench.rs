@@ -91,11 +91,12 @@ pub struct BenchArgs {
     /// crc32c: check every block written when it is read back (and after the run).
     #[arg(long, value_name = "KIND")]
     pub verify: Option<String>,
-    /// Issue at most this many I/Os per second per job (R or R,W: reads, writes; `,W` limits
-    /// writes only), like fio: for comparing devices at equal offered load.
+    /// Issue at most this many I/Os per second per job (`R` or `R,W`: reads, writes; `,W`
+    /// limits writes only), like fio: for comparing devices at equal offered load.
     #[arg(long = "rate_iops", alias = "rate-iops", value_name = "R[,W]")]
     pub rate_iops: Option<String>,
-    /// Issue at most this many bytes per second per job (R or R,W, with k/m/g suffixes).
+    /// Issue at most this many bytes per second per job (`R` or `R,W`, with k/m/g
+    /// suffixes).
     #[arg(long, value_name = "R[,W]")]
     pub rate: Option<String>,
 
@@ -108,8 +109,9 @@ pub struct BenchArgs {
     /// Run the job on the disk through io_uring with no virtio in between.
     #[arg(long)]
     pub baseline: bool,
-    /// The disk of the embedded device or the baseline: PATH, mem:SIZE, null:SIZE,
-    /// `nbd://HOST[:PORT]/EXPORT`, `nbd+unix:///EXPORT?socket=PATH`.
+    /// The disk of the embedded device or the baseline: PATH, mem:SIZE, null:SIZE, hdd:SIZE
+    /// (a simulated 7200 rpm disk; hdd:SIZE:xN is N times faster), `nbd://HOST[:PORT]/EXPORT`,
+    /// `nbd+unix:///EXPORT?socket=PATH`.
     #[arg(long, value_name = "SPEC", default_value = "mem:1G")]
     pub disk: DiskSpec,
     /// Engine of the embedded device or the baseline: io_uring, sync.
