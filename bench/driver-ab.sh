@@ -50,7 +50,7 @@ for r in $(seq "$ROUNDS"); do
       for side in A B; do
         bin=$VA; [ $side = B ] && bin=$VB
         taskset -c 0 "$bin" bench --socket "$D/dev.sock" --device-pid "$pid" --no-pin \
-          --rw="$1" --bs=4k --iodepth="$2" --runtime="$RUNTIME" --time_based --ramp_time=0.5 \
+          --rw="$1" --bs=4k --iodepth="$2" --runtime="$RUNTIME" --time_based --ramp_time=500ms \
           --path "$path" --output-format json 2>/dev/null |
           python3 -c "import json,sys; d=json.load(sys.stdin); v=d['vblk'] if 'vblk' in d else d['rows'][0]['runs'][0]['vblk']; print('$side $path $1-qd$2', v['iops'], v['driver']['iops_per_cpu_sec'])" >>"$D/results"
       done
