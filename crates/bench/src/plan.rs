@@ -32,8 +32,8 @@ pub struct Plan {
     pub target: TargetSpec,
     /// How to run.
     pub run: RunConfig,
-    /// `--compare KEY=V1,V2,...`: run each job once per value.
-    pub compare: Option<(String, Vec<String>)>,
+    /// `--compare`: run each job once per variant.
+    pub compare: Option<Compare>,
     /// Runs per variant.
     pub repeat: u32,
     /// Output format.
@@ -206,9 +206,74 @@ pub fn embedded_defaults() -> device::DeviceConfig {
     }
 }
 
-/// Every I/O path the driver has.
-pub fn all_paths() -> Vec<String> {
-    PathKind::ALL.iter().map(|p| p.to_string()).collect()
+/// A comparison: the variants each job runs under, side by side in one table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Compare {
+    /// What the user wrote (the JSON report's `compare`).
+    pub text: String,
+    /// The variants, in order.
+    pub variants: Vec<Variant>,
+}
+
+/// One column of a comparison: a label and the `key=value` settings it applies.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Variant {
+    /// The row's label in the table.
+    pub label: String,
+    /// Settings applied, in order, on top of the plan's.
+    pub settings: Vec<(String, String)>,
+}
+
+impl Compare {
+    /// Parse `--compare`: either `KEY=V1,V2,...` (one key, one variant per value) or
+    /// `K1=A,K2=B;K1=C;...` (variants separated by `;`, each one or more `key=value`).
+    pub fn parse(text: &str) -> Result<Compare, String> {
+        let bad = |what: &str| format!("--compare {text}: {what}");
+        let variants = if text.contains(';') {
+            let mut variants = Vec::new();
+            for part in text.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+                let mut settings = Vec::new();
+                for kv in part.split(',') {
+                    let (k, v) = kv
+                        .split_once('=')
+                        .ok_or_else(|| bad(&format!("{kv:?} in variant {part:?} is not KEY=VALUE")))?;
+                    settings.push((k.trim().to_string(), v.trim().to_string()));
+                }
+                variants.push(Variant {
+                    label: part.to_string(),
+                    settings,
+                });
+            }
+            variants
+        } else {
+            let (k, vs) = text
+                .split_once('=')
+                .ok_or_else(|| bad("expected KEY=V1,V2,... or K1=A,K2=B;K1=C;..."))?;
+            vs.split(',')
+                .filter(|v| !v.is_empty())
+                .map(|v| Variant {
+                    label: format!("{k}={v}"),
+                    settings: vec![(k.to_string(), v.to_string())],
+                })
+                .collect()
+        };
+        if variants.is_empty() {
+            return Err(bad("no values"));
+        }
+        Ok(Compare {
+            text: text.to_string(),
+            variants,
+        })
+    }
+}
+
+/// Every I/O path the driver has, as the default comparison.
+pub fn all_paths() -> Compare {
+    let text = format!(
+        "path={}",
+        PathKind::ALL.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(",")
+    );
+    Compare::parse(&text).expect("the paths parse")
 }
 
 /// CPUs for the job threads and the embedded device's workers, disjoint, when the machine
@@ -320,14 +385,16 @@ pub fn execute(plan: &Plan) -> Result<String, String> {
                     Format::Json => json_jobs.push(report::json_report(&r)),
                 }
             }
-            Some((key, values)) => {
+            Some(compare) => {
                 let mut rows = Vec::new();
-                for v in values {
+                for variant in &compare.variants {
                     let mut jobs = vec![job.clone()];
                     let mut target = plan.target.clone();
                     let mut run = plan.run.clone();
-                    apply_variant(key, v, &mut jobs, &mut target, &mut run)?;
-                    let label = format!("{key}={v}");
+                    for (key, v) in &variant.settings {
+                        apply_variant(key, v, &mut jobs, &mut target, &mut run)?;
+                    }
+                    let label = variant.label.clone();
                     let mut runs = Vec::new();
                     for i in 0..plan.repeat.max(1) {
                         let shown = format!("{} {label} #{}", job.name, i + 1);
@@ -353,12 +420,12 @@ pub fn execute(plan: &Plan) -> Result<String, String> {
                     }
                     Format::Json => json_jobs.push(serde_json::json!({
                         "job": job.name,
-                        "compare": key,
+                        "compare": compare.text,
                         "variants": report::compare_json(&rows),
                     })),
                 }
                 if let Some(p) = &plan.plot {
-                    let title = format!("{}: {key}", job.name);
+                    let title = format!("{}: {}", job.name, compare.text);
                     let svg = report::compare_svg(&rows, &title);
                     let path = if plan.jobs.len() > 1 {
                         p.with_file_name(format!(

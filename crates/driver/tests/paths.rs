@@ -427,6 +427,22 @@ fn auto_follows_the_devices_hint_and_otherwise_measures_and_remeasures() {
     let r = q.auto_report().unwrap();
     assert_eq!(r.current, PathKind::Request);
     assert!(r.reason.contains("rotational"), "{r:?}");
+    // ... with a shallow dispatch depth, so that sequential I/Os submitted one at a time
+    // wait in the elevator and merge there (the device serves one request at a time).
+    assert!(r.reason.contains("queue depth 2"), "{r:?}");
+    let mut q = q;
+    for i in 0..64u64 {
+        let mut b = q.alloc(4096).unwrap();
+        b.fill(i as u8);
+        q.submit(Io::write(i * 4096, b, i)).unwrap();
+        q.unplug();
+    }
+    complete(&mut q, 64);
+    let st = q.request_stats().unwrap();
+    assert!(
+        st.dispatched <= 16 && st.back_merges >= 48,
+        "64 sequential writes, submitted one by one, should merge: {st:?}"
+    );
     drop(q);
     drop(disk);
 

@@ -215,7 +215,9 @@ pub struct BenchArgs {
     pub spin_us: u64,
     /// Run each job once per value of an option (any job or bench option), e.g.
     /// path=bio,batch or engine=io_uring,sync or target=embedded,baseline or
-    /// socket=/run/a.sock@PID,/run/b.sock@PID (devices side by side).
+    /// socket=/run/a.sock@PID,/run/b.sock@PID (devices side by side). Variants that set
+    /// several options are separated by ';', their settings by ',', e.g.
+    /// "path=bio;path=request,elevator=deadline,queue_depth=2".
     #[arg(long, value_name = "KEY=V1,V2")]
     pub compare: Option<String>,
     /// Runs per variant (the table shows mean ± stddev).
@@ -371,21 +373,8 @@ impl TryFrom<&BenchArgs> for Plan {
             request,
         };
         let compare = match (&a.compare, a.is_default_run()) {
-            (Some(c), _) => {
-                let (k, vs) = c
-                    .split_once('=')
-                    .ok_or_else(|| format!("--compare {c}: expected KEY=V1,V2,..."))?;
-                let values: Vec<String> = vs
-                    .split(',')
-                    .filter(|v| !v.is_empty())
-                    .map(String::from)
-                    .collect();
-                if values.is_empty() {
-                    return Err(format!("--compare {c}: no values"));
-                }
-                Some((k.to_string(), values))
-            }
-            (None, true) => Some(("path".to_string(), plan::all_paths())),
+            (Some(c), _) => Some(plan::Compare::parse(c)?),
+            (None, true) => Some(plan::all_paths()),
             (None, false) => None,
         };
         if a.repeat == 0 {

@@ -6,7 +6,11 @@
 //! 1. **What the device reports.** A vblk device whose disk is rotational (an `hdd:` disk,
 //!    a file on a rotational block device) says so in vblk's hint block (see
 //!    [`crate::disk::DeviceHints`]): the host does no reordering and seeks cost, so the
-//!    request path with `deadline` (merging, sector-sorted batches) is used, without trials.
+//!    request path with `deadline` (merging, sector-sorted batches) is used, without trials,
+//!    and with a dispatch depth of [`ROTATIONAL_DEPTH`] unless the caller set `queue_depth`:
+//!    one head serves one request at a time, so deeper dispatch only moves the queue from
+//!    the elevator, where requests merge and are sorted, to the device, where they wait in
+//!    arrival order.
 //! 2. **What it measures.** Otherwise bio, batch and request are each tried on the live
 //!    workload in short trials (a few thousand I/Os or 30 ms each, twice, in the order
 //!    A B C C B A so that drift cancels); the path with the most I/Os per second wins, and
@@ -27,6 +31,9 @@ use crate::path::request::RequestPath;
 use crate::path::PathKind;
 use crate::queue::QueueOptions;
 
+/// Requests on the ring at once on a rotational disk: one being served, one ready behind
+/// it so that the head does not wait for a round trip between requests.
+pub const ROTATIONAL_DEPTH: u16 = 2;
 /// I/Os per trial at most, at least, and the time after which a trial ends anyway.
 const TRIAL_IOS: u64 = 4096;
 const TRIAL_MIN_IOS: u64 = 32;
@@ -145,10 +152,14 @@ impl Auto {
         } else {
             vec![PathKind::Bio, PathKind::Batch, PathKind::Request]
         };
+        let mut request = opts.request;
+        if rotational && request.queue_depth == 0 {
+            request.queue_depth = ROTATIONAL_DEPTH;
+        }
         let n = candidates.len();
         let schedule: Vec<usize> = (0..n).chain((0..n).rev()).collect();
         let mut a = Auto {
-            request: RequestPath::new(opts.request, ring_size),
+            request: RequestPath::new(request, ring_size),
             batch: opts.batch.max(1),
             mode: candidates[0],
             rotational,
@@ -177,7 +188,11 @@ impl Auto {
         AutoReport {
             current: self.mode,
             reason: if self.rotational {
-                "the device reports a rotational disk: request path with deadline".into()
+                format!(
+                    "the device reports a rotational disk: request path, {} elevator, \
+                     queue depth {}",
+                    self.request.opts.elevator, self.request.opts.queue_depth
+                )
             } else if self.step.is_some() {
                 "trials in progress".into()
             } else {

@@ -180,7 +180,7 @@ pub struct RequestStats {
 /// The request path of one queue.
 #[derive(Debug)]
 pub(crate) struct RequestPath {
-    opts: RequestOptions,
+    pub(crate) opts: RequestOptions,
     rqs: Rqs,
     plug: Vec<u32>,
     sched: Sched,
