@@ -234,9 +234,9 @@ impl Compare {
             for part in text.split(';').map(str::trim).filter(|p| !p.is_empty()) {
                 let mut settings = Vec::new();
                 for kv in part.split(',') {
-                    let (k, v) = kv
-                        .split_once('=')
-                        .ok_or_else(|| bad(&format!("{kv:?} in variant {part:?} is not KEY=VALUE")))?;
+                    let (k, v) = kv.split_once('=').ok_or_else(|| {
+                        bad(&format!("{kv:?} in variant {part:?} is not KEY=VALUE"))
+                    })?;
                     settings.push((k.trim().to_string(), v.trim().to_string()));
                 }
                 variants.push(Variant {
@@ -271,7 +271,11 @@ impl Compare {
 pub fn all_paths() -> Compare {
     let text = format!(
         "path={}",
-        PathKind::ALL.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(",")
+        PathKind::ALL
+            .iter()
+            .map(|p| p.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
     );
     Compare::parse(&text).expect("the paths parse")
 }
@@ -456,6 +460,42 @@ pub fn execute(plan: &Plan) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compare_parses_one_key_or_variants_with_several_settings() {
+        let c = Compare::parse("path=bio,batch").unwrap();
+        assert_eq!(c.variants.len(), 2);
+        assert_eq!(c.variants[1].label, "path=batch");
+        assert_eq!(c.variants[1].settings, [("path".into(), "batch".into())]);
+        let c = Compare::parse("path=bio; path=request,elevator=deadline,queue_depth=2;").unwrap();
+        assert_eq!(c.variants.len(), 2);
+        assert_eq!(
+            c.variants[1].label,
+            "path=request,elevator=deadline,queue_depth=2"
+        );
+        assert_eq!(c.variants[1].settings.len(), 3);
+        assert_eq!(
+            c.variants[1].settings[2],
+            ("queue_depth".into(), "2".into())
+        );
+        for bad in ["path", "path=", "path=bio;request", ";"] {
+            assert!(Compare::parse(bad).is_err(), "{bad}");
+        }
+        // Every setting is applied, in order.
+        let mut jobs = vec![default_job()];
+        let mut target = TargetSpec::Embedded(embedded_defaults());
+        let mut run = RunConfig::default();
+        for (k, v) in &Compare::parse("path=request,elevator=bfq,queue_depth=2;")
+            .unwrap()
+            .variants[0]
+            .settings
+        {
+            apply_variant(k, v, &mut jobs, &mut target, &mut run).unwrap();
+        }
+        assert_eq!(run.path, PathKind::Request);
+        assert_eq!(run.request.queue_depth, 2);
+        assert_eq!(run.request.elevator, driver::ElevatorKind::Bfq);
+    }
 
     #[test]
     fn every_preset_job_file_parses() {
