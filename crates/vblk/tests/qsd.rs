@@ -813,3 +813,59 @@ fn vblk_info_shows_what_qsd_and_vblk_serve_offer() {
     let st = qsd.stop();
     assert!(st.success(), "qemu-storage-daemon exited with {st}");
 }
+
+/// `vblk bench --compare path=...` runs every I/O path against qemu-storage-daemon and
+/// `vblk serve`, with every block it writes verified when read back: the paths that
+/// merge, reorder or pass raw commands through (request, passthru, auto) work on a device
+/// that is not ours.
+#[test]
+fn every_io_path_verifies_against_qsd_and_vblk_serve() {
+    within(TEST_LIMIT, "every path against both devices", || {
+        let dir = temp_dir("qsd");
+        let img = image(dir.path(), "qsd.img", 32 * MIB);
+        let qsd = Daemon::qsd(dir.path(), &img, "");
+        let img2 = image(dir.path(), "vblk.img", 32 * MIB);
+        let vblk = Daemon::vblk(dir.path(), img2.to_str().unwrap(), 2);
+        for d in [&qsd, &vblk] {
+            let out = Command::new(env!("CARGO_BIN_EXE_vblk"))
+                .args(["bench", "--socket"])
+                .arg(&d.sock)
+                .args([
+                    "--rw=randrw",
+                    "--bs=4k",
+                    "--iodepth=8",
+                    "--size=16m",
+                    "--runtime=400ms",
+                    "--time_based",
+                    "--verify=crc32c",
+                    "--compare",
+                    "path=bio,batch,request,passthru,auto",
+                ])
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{}: {text}\n{}",
+                d.what,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            for p in ["bio", "batch", "request", "passthru", "auto"] {
+                let row = text
+                    .lines()
+                    .find(|l| l.starts_with(&format!("path={p} ")))
+                    .unwrap_or_else(|| panic!("{}: no row for {p}:\n{text}", d.what));
+                let iops: f64 = row
+                    .split_whitespace()
+                    .nth(1)
+                    .unwrap()
+                    .trim_end_matches(['k', 'M'])
+                    .parse()
+                    .unwrap();
+                assert!(iops > 0.0, "{}: {row}", d.what);
+            }
+        }
+        assert!(qsd.stop().success());
+        assert!(vblk.stop().success());
+    });
+}
