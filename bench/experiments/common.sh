@@ -6,7 +6,13 @@ cargo build --release -q -p vblk
 VBLK="$PWD/target/release/vblk"
 REPEAT=${REPEAT:-3}
 RUNTIME=${RUNTIME:-3}
-echo "# $(date -u +%FT%TZ), $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg), $(git rev-parse --short HEAD)"
+# On a machine shared with other work, PRIO=rt runs the benchmark (driver and embedded
+# device threads) under SCHED_FIFO, so that the other work does not take their CPUs in
+# the middle of a run (the kernel still leaves others 5 % of each second).
+PRIO=${PRIO:-normal}
+CHRT=()
+[ "$PRIO" = rt ] && CHRT=(chrt -f 10)
+echo "# $(date -u +%FT%TZ), $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg), $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo '+changes'), REPEAT=$REPEAT RUNTIME=$RUNTIME PRIO=$PRIO"
 echo
 run() {
     local title=$1
@@ -15,6 +21,6 @@ run() {
     echo "vblk bench $*"
     echo "\`\`\`"
     echo
-    "$VBLK" bench "$@" --repeat "$REPEAT" --output-format json |
+    "${CHRT[@]}" "$VBLK" bench "$@" --repeat "$REPEAT" --output-format json |
         python3 bench/experiments/table.py "$title"
 }

@@ -6,6 +6,6 @@
 source "$(dirname "$0")/common.sh"
 for rw in read write randread randwrite; do
     run "S1 $rw 4 KiB QD32" --name "$rw" --rw="$rw" --bs=4k --iodepth=32 \
-        --runtime="$RUNTIME" --ramp_time=1 --time_based \
+        --runtime="$RUNTIME" --ramp_time=500ms --time_based \
         --compare "path=request,elevator=deadline;path=bio;path=batch;path=auto"
 done

@@ -6,5 +6,5 @@ source "$(dirname "$0")/common.sh"
 run "S3 QD8, batches of 4" bench/jobs/qd8-batch4.fio \
     --compare "path=bio;path=passthru;path=batch;path=request;path=auto"
 run "S3 QD1" --name qd1 --rw=randread --bs=4k --iodepth=1 \
-    --runtime="$RUNTIME" --ramp_time=1 --time_based \
+    --runtime="$RUNTIME" --ramp_time=500ms --time_based \
     --compare "path=bio;path=passthru;path=auto"

@@ -15,10 +15,12 @@
 //!    workload in short trials (a few thousand I/Os or 30 ms each, twice, in the order
 //!    A B C C B A so that drift cancels); the path with the most I/Os per second wins, and
 //!    among paths within 3 % of it the one with the least CPU time per I/O (a paced workload
-//!    gets the same IOPS on every path; then CPU decides). The workload's signature — read
+//!    gets the same IOPS on every path; then CPU decides). A path already in use that is
+//!    still within 3 % of the best stays (no flapping between equals on noise). The workload's signature — read
 //!    share, I/O size, sequential share, depth — is recorded with the choice and checked
-//!    every few thousand I/Os; when it changes, or every 32 checks regardless, the trials
-//!    run again.
+//!    every few thousand I/Os; when it changes the trials run again, and also after 32
+//!    checks regardless — 64, 128, … up to 1024 checks while the trials keep choosing the
+//!    same path, so that a steady workload pays less and less for being re-measured.
 //!
 //! Switching away from the request path first lets everything it holds go to the ring, so
 //! the ordering promises (flush barriers) hold across switches.
@@ -41,8 +43,10 @@ const TRIAL_TIME: Duration = Duration::from_millis(30);
 /// While running the chosen path: how often the signature is checked.
 const CHECK_IOS: u64 = 16384;
 const CHECK_TIME: Duration = Duration::from_millis(250);
-/// Checks after which the trials run again even if the workload looks the same.
+/// Checks after which the trials run again even if the workload looks the same: at first,
+/// and at most (the interval doubles while the trials keep choosing the same path).
 const CHECKS_PER_CHOICE: u32 = 32;
+const CHECKS_PER_CHOICE_MAX: u32 = 1024;
 /// IOPS within this fraction of the best count as equal; CPU per I/O decides.
 const IOPS_TIE: f64 = 0.03;
 
@@ -141,6 +145,10 @@ pub(crate) struct Auto {
     last_end: u64,
     chosen: Signature,
     checks: u32,
+    /// Checks before the next re-trial of an unchanged workload.
+    recheck_after: u32,
+    /// The path the last trials chose.
+    last_pick: Option<PathKind>,
     choices: u64,
     trials: Vec<AutoTrial>,
 }
@@ -174,6 +182,8 @@ impl Auto {
             last_end: u64::MAX,
             chosen: Signature::default(),
             checks: 0,
+            recheck_after: CHECKS_PER_CHOICE,
+            last_pick: None,
             choices: 0,
             trials: Vec::new(),
         };
@@ -292,7 +302,11 @@ impl Auto {
                 let sig = self.window.signature();
                 self.window = Window::default();
                 self.checks += 1;
-                if !self.rotational && (sig != self.chosen || self.checks >= CHECKS_PER_CHOICE) {
+                if sig != self.chosen {
+                    // A new workload: what was chosen for the old one counts for nothing.
+                    self.last_pick = None;
+                }
+                if !self.rotational && (sig != self.chosen || self.checks >= self.recheck_after) {
                     self.checks = 0;
                     self.tallies.iter_mut().for_each(|t| *t = Tally::default());
                     self.step = Some(0);
@@ -316,12 +330,26 @@ impl Auto {
             })
             .collect();
         let best = self.trials.iter().map(|t| t.iops).fold(0.0, f64::max);
-        let pick = self
-            .trials
-            .iter()
-            .filter(|t| t.iops >= best * (1.0 - IOPS_TIE))
-            .min_by(|a, b| a.cpu_us_per_io.total_cmp(&b.cpu_us_per_io))
-            .map_or(PathKind::Bio, |t| t.path);
+        let tied = || {
+            self.trials
+                .iter()
+                .filter(move |t| t.iops >= best * (1.0 - IOPS_TIE))
+        };
+        // Hysteresis: a path that is still among the best stays, and the workload is
+        // re-measured less often; otherwise the least CPU per I/O among the best wins.
+        let pick = match self.last_pick {
+            Some(p) if tied().any(|t| t.path == p) => {
+                self.recheck_after = (self.recheck_after * 2).min(CHECKS_PER_CHOICE_MAX);
+                p
+            }
+            _ => {
+                self.recheck_after = CHECKS_PER_CHOICE;
+                tied()
+                    .min_by(|a, b| a.cpu_us_per_io.total_cmp(&b.cpu_us_per_io))
+                    .map_or(PathKind::Bio, |t| t.path)
+            }
+        };
+        self.last_pick = Some(pick);
         self.choices += 1;
         self.step = None;
         self.chosen = self.window.signature();
