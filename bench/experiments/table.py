@@ -56,9 +56,12 @@ def main():
                     if n.startswith("auto: "):
                         chose = n[len("auto: "):].split(" (")[0]
                 auto = f"{frac:.2f} of best ({chose})"
+            def us(x):
+                return "–" if x != x else f"{x:.2f}"  # NaN: not measured in some run
+
             print(
                 f"| {job['job']} | {v['variant']} | {iops} | {mib:.1f} | "
-                f"{v['iops_mean'] / base:.2f} | {drv:.2f} | {dev:.2f} | {auto} |"
+                f"{v['iops_mean'] / base:.2f} | {us(drv)} | {us(dev)} | {auto} |"
             )
     print()
     if worst is not None:
