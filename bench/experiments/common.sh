@@ -18,7 +18,7 @@ run() {
     local title=$1
     shift
     echo "\`\`\`"
-    echo "vblk bench $*"
+    echo "vblk bench $(printf '%q ' "$@")"
     echo "\`\`\`"
     echo
     "${CHRT[@]}" "$VBLK" bench "$@" --repeat "$REPEAT" --output-format json |
