@@ -34,6 +34,8 @@ pub enum TargetSpec {
         engine: EngineKind,
         /// Page cache or O_DIRECT.
         cache: CacheMode,
+        /// Pool size of the `threads` engine.
+        engine_threads: usize,
     },
 }
 
@@ -132,13 +134,19 @@ impl Target {
                 backend: None,
                 _embedded: None,
             }),
-            TargetSpec::Baseline { disk, cache, .. } => {
+            TargetSpec::Baseline {
+                disk,
+                cache,
+                engine_threads,
+                ..
+            } => {
                 let b = Backend::open(
                     disk,
                     &OpenOptions {
                         read_only: false,
                         cache: *cache,
                         prealloc: true,
+                        engine_threads: *engine_threads,
                         ..Default::default()
                     },
                 )
@@ -158,7 +166,10 @@ impl Target {
         match &self.spec {
             TargetSpec::Embedded(c) => format!(
                 "embedded vblk device: {}, engine {}, {} worker(s), poll {} µs",
-                c.disk, c.engine, c.threads, c.poll_us
+                c.disk,
+                engine_label(c.engine, c.engine_threads),
+                c.threads,
+                c.poll_us
             ),
             TargetSpec::Socket { path, .. } => {
                 format!("vhost-user-blk device at {}", path.display())
@@ -167,7 +178,9 @@ impl Target {
                 disk,
                 engine,
                 cache,
+                engine_threads,
             } => {
+                let engine = engine_label(*engine, *engine_threads);
                 format!("baseline: {disk} through {engine} (cache {cache}), no virtio")
             }
         }
@@ -259,5 +272,13 @@ impl Target {
                 block: u64::from(info.logical_block_size),
             },
         ))
+    }
+}
+
+/// An engine's name, with its pool size for `threads`: `threads (16 per worker)`.
+fn engine_label(engine: EngineKind, threads: usize) -> String {
+    match engine {
+        EngineKind::Threads => format!("threads ({threads} per worker)"),
+        e => e.to_string(),
     }
 }

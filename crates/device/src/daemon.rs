@@ -158,8 +158,12 @@ pub fn serve(
             cache: config.cache,
             prealloc: config.prealloc,
             image: config.image,
+            engine_threads: config.engine_threads,
         },
     )?);
+    // An engine that cannot work on this disk (aio without O_DIRECT, io_uring or AIO
+    // refused by the kernel) is refused now, not when a frontend connects.
+    drop(disk.engine(config.engine, 1)?);
     info!(
         "disk {}: {} bytes, logical block {} bytes{}",
         config.disk,
