@@ -312,6 +312,12 @@ fn merge_fio_json(mut reports: Vec<serde_json::Value>) -> serde_json::Value {
     first
 }
 
+/// The order in which a comparison runs its variants: `(repeat, variant)` pairs, the first
+/// run of every variant, then the second of every variant, and so on (at least one round).
+fn run_order(variants: usize, repeat: u32) -> impl Iterator<Item = (u32, usize)> {
+    (0..repeat.max(1)).flat_map(move |i| (0..variants).map(move |v| (i, v)))
+}
+
 /// Run the plan and return what to print.
 pub fn execute(plan: &Plan) -> Result<String, String> {
     let show = plan.progress && std::io::stdout().is_terminal() && plan.format == Format::Normal;
@@ -327,19 +333,30 @@ pub fn execute(plan: &Plan) -> Result<String, String> {
                 }
             }
             Some((key, values)) => {
-                let mut rows = Vec::new();
+                let mut variants = Vec::new();
                 for v in values {
                     let mut jobs = vec![job.clone()];
                     let mut target = plan.target.clone();
                     let mut run = plan.run.clone();
                     apply_variant(key, v, &mut jobs, &mut target, &mut run)?;
-                    let label = format!("{key}={v}");
-                    let mut runs = Vec::new();
-                    for i in 0..plan.repeat.max(1) {
-                        let shown = format!("{} {label} #{}", job.name, i + 1);
-                        runs.push(run_one(&jobs[0], &target, &run, show, &shown)?);
-                    }
-                    rows.push(Row { label, runs });
+                    variants.push((format!("{key}={v}"), jobs.remove(0), target, run));
+                }
+                // Repeats go round the variants (1st run of each, then 2nd of each, ...), so
+                // that a machine drifting over the minutes of a comparison drifts for every
+                // variant alike rather than for the last ones.
+                let mut rows: Vec<Row> = variants
+                    .iter()
+                    .map(|(label, ..)| Row {
+                        label: label.clone(),
+                        runs: Vec::new(),
+                    })
+                    .collect();
+                for (i, v) in run_order(variants.len(), plan.repeat) {
+                    let (label, job_v, target, run) = &variants[v];
+                    let shown = format!("{} {label} #{}", job.name, i + 1);
+                    rows[v]
+                        .runs
+                        .push(run_one(job_v, target, run, show, &shown)?);
                 }
                 match plan.format {
                     Format::Normal => {
@@ -395,6 +412,14 @@ pub fn execute(plan: &Plan) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn comparison_repeats_take_turns() {
+        let order: Vec<_> = run_order(3, 2).collect();
+        assert_eq!(order, [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]);
+        let once: Vec<_> = run_order(2, 0).collect();
+        assert_eq!(once, [(0, 0), (0, 1)]);
+    }
 
     #[test]
     fn every_preset_job_file_parses() {

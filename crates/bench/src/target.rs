@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use device::DeviceConfig;
 use driver::{Disk, DiskOptions, PathKind, QueueOptions};
-use storage::{Backend, CacheMode, DiskSpec, EngineKind, OpenOptions};
+use storage::{Backend, CacheMode, DiskSpec, EngineKind, OpenOptions, POOL_THREAD_PREFIX};
 
 use crate::lane::{DriverLane, EngineLane, Lane};
 use crate::stats::ThreadSample;
@@ -200,12 +200,15 @@ impl Target {
         }
     }
 
-    /// A CPU sample of the device side: its worker threads and their io_uring workers when
-    /// embedded; the whole process when external with a known pid.
+    /// A CPU sample of the device side: its worker threads, their engines' pool threads
+    /// and their io_uring workers when embedded; the whole process when external with a
+    /// known pid.
     pub fn device_sample(&self) -> Option<ThreadSample> {
         let me = std::process::id() as i32;
         match &self.spec {
-            TargetSpec::Embedded(_) => ThreadSample::take(me, &["vblk-worker", "iou-"]).ok(),
+            TargetSpec::Embedded(_) => {
+                ThreadSample::take(me, &["vblk-worker", POOL_THREAD_PREFIX, "iou-"]).ok()
+            }
             TargetSpec::Socket { device_pid, .. } => {
                 device_pid.and_then(|p| ThreadSample::process(p).ok())
             }
@@ -213,12 +216,13 @@ impl Target {
         }
     }
 
-    /// A CPU sample of kernel helpers working for the job threads (the baseline's io_uring
-    /// workers), counted on the driver side.
+    /// A CPU sample of helpers working for the job threads (the baseline's io_uring workers
+    /// and engine pool threads), counted on the driver side.
     pub fn helper_sample(&self) -> ThreadSample {
         match &self.spec {
             TargetSpec::Baseline { .. } => {
-                ThreadSample::take(std::process::id() as i32, &["iou-"]).unwrap_or_default()
+                ThreadSample::take(std::process::id() as i32, &[POOL_THREAD_PREFIX, "iou-"])
+                    .unwrap_or_default()
             }
             _ => ThreadSample::default(),
         }

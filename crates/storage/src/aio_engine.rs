@@ -137,15 +137,8 @@ impl AioEngine {
         }
         let n = depth as usize;
         let event = new_eventfd().map_err(setup)?;
-        let helper = Pool::new(
-            Arc::clone(&backend),
-            n,
-            1,
-            0,
-            event.as_raw_fd(),
-            "aio-helper",
-        )
-        .map_err(setup)?;
+        let helper =
+            Pool::new(Arc::clone(&backend), n, 1, 0, event.as_raw_fd(), "aio").map_err(setup)?;
         Ok(AioEngine {
             helper,
             ctx,

@@ -59,5 +59,6 @@ pub use engine::{Completion, Engine, EngineKind, Full, Op, MAX_DEPTH};
 pub use error::Error;
 pub use format::{probe, Format, ImageFormat, PROBE_HEAD, PROBE_TAIL};
 pub use lock::{Conflict, ImageLock, Perm, PERM_BASE, SHARED_BASE};
+pub use pool::POOL_THREAD_PREFIX;
 pub use spec::{format_size, parse_size, DiskSpec, SECTOR_SIZE};
 pub use threads_engine::{DEFAULT_ENGINE_THREADS, MAX_ENGINE_THREADS};

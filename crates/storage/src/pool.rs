@@ -33,6 +33,10 @@ use crate::backend::Backend;
 use crate::engine::{errno, Completion, Op};
 use crate::sysio::SyncIo;
 
+/// Pool threads are named this and the pool's name (`vblk-pool-io`, `vblk-pool-aio`), so
+/// that CPU accounting can find them (`vblk bench` counts them on the device side).
+pub const POOL_THREAD_PREFIX: &str = "vblk-pool-";
+
 /// Stack size of a pool thread: `SyncIo` needs a few KiB.
 const STACK: usize = 256 * 1024;
 
@@ -125,7 +129,7 @@ impl Pool {
         let io = SyncIo::new(Arc::clone(&self.backend));
         let efd = self.efd;
         let handle = std::thread::Builder::new()
-            .name(format!("vblk-{}", self.name))
+            .name(format!("{POOL_THREAD_PREFIX}{}", self.name))
             .stack_size(STACK)
             .spawn(move || run(&shared, io, efd))?;
         self.threads.push(handle);

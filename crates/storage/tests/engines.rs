@@ -9,7 +9,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use common::*;
-use vblk_storage::{BackendKind, CacheMode, EngineKind, Full, Op, MAX_DEPTH};
+use vblk_storage::{BackendKind, CacheMode, EngineKind, Full, Op, MAX_DEPTH, POOL_THREAD_PREFIX};
 
 const MIB: usize = 1 << 20;
 
@@ -591,4 +591,21 @@ fn scratch_is_not_tmpfs() {
     let dir = scratch();
     assert!(!is_tmpfs(dir.path()));
     assert!(!is_tmpfs(Path::new(dir.path())));
+}
+
+/// Pool threads carry the name CPU accounting looks for (`vblk bench` counts threads whose
+/// name starts with `POOL_THREAD_PREFIX` on the device side).
+#[test]
+fn pool_threads_are_named_for_accounting() {
+    let dir = scratch();
+    let path = make_file(dir.path(), "disk.img", MIB, 17);
+    let b = open(&path, CacheMode::Writeback, false);
+    let mut e = engine(&b, EngineKind::Threads, 4);
+    assert_eq!(read(&mut *e, 0, &[4096], 0).unwrap().len(), 4096);
+    let named = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).ok())
+        .filter(|comm| comm.trim_end() == format!("{POOL_THREAD_PREFIX}io"))
+        .count();
+    assert!(named >= 1, "no thread named {POOL_THREAD_PREFIX}io");
 }
