@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
-# vblk's device against qemu-storage-daemon: the same driver (vblk bench), the same cores
-# (devices pinned to CPU 1, the benchmark to CPU 0), the same disk, side by side in one
-# `vblk bench --compare socket=...` run per table, each variant repeated.
+# vblk's device against qemu-storage-daemon, measured the same way: the same driver (vblk
+# bench), the same cores (devices pinned to CPU 1, the benchmark to CPU 0), the same disk,
+# side by side in one `vblk bench --compare socket=...` run per table, each variant
+# repeated. The column to read for efficiency is "dev IOPS/CPU-s" (its inverse is the
+# device's CPU time per I/O).
 #
-#   bash bench/devices.sh [REPEAT] [RUNTIME_S]
+#   bash bench/devices.sh [REPEAT] [RUNTIME_S] [TABLES]
 #
-# Prints four tables: null disk and O_DIRECT file disk, at QD1 and QD32 (4 KiB random
-# reads). Needs qemu-storage-daemon (Debian: qemu-system-common) and taskset (util-linux).
+# Devices (4 per table):
+#   vblk            vblk serve with its defaults (adaptive polling up to 200 µs)
+#   vblk-poll0      vblk serve --poll-us 0 (never spins)
+#   qsd             qemu-storage-daemon, export in the main loop (no IOThread)
+#   qsd-iothread    qemu-storage-daemon, export in an IOThread (--object iothread;
+#                   QEMU polls there: poll-max-ns defaults to 32 µs)
+# Tables (TABLES picks a subset, e.g. "null-rate file-qd32"):
+#   null-qd1, null-qd32                 null disk, 4 KiB random reads, at saturation
+#   null-100k, null-500k                null disk, QD32, 100 k and 500 k IOPS offered
+#   idle                                an attached driver doing 10 I/Os per second
+#   file-qd1, file-qd32                 O_DIRECT file on the host's disk; vblk io_uring vs
+#                                       qemu-storage-daemon aio=native, io_uring, threads
+#   file-baseline                       the same file through io_uring with no virtio
+# Needs qemu-storage-daemon (Debian: qemu-system-common) and taskset (util-linux).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPEAT=${1:-3}
 RUNTIME=${2:-5}
+TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline"}
 cargo build --release -q -p vblk
 V=$PWD/target/release/vblk
 D=$(mktemp -d /var/tmp/vblk-devices.XXXXXX)
@@ -25,36 +40,78 @@ sync
 
 wait_sock() { for _ in $(seq 100); do [ -S "$1" ] && return 0; sleep 0.1; done; echo "no socket $1" >&2; exit 1; }
 
-start_pair() { # $1 = null|file
-  local kind=$1
-  rm -f "$D"/vblk.sock "$D"/qsd.sock
-  if [ "$kind" = null ]; then
-    taskset -c 1 "$V" --log-level warn serve --socket-path "$D/vblk.sock" --blk-file null:1G &
-    pids+=($!); VPID=$!
-    taskset -c 1 qemu-storage-daemon \
-      --blockdev driver=null-co,node-name=n0,size=1073741824,read-zeroes=on \
-      --export type=vhost-user-blk,id=e0,node-name=n0,addr.type=unix,addr.path="$D/qsd.sock",num-queues=1,writable=on &
-    pids+=($!); QPID=$!
-  else
-    taskset -c 1 "$V" --log-level warn serve --socket-path "$D/vblk.sock" --blk-file "$IMG" --cache none &
-    pids+=($!); VPID=$!
-    taskset -c 1 qemu-storage-daemon \
-      --blockdev driver=file,node-name=f0,filename="$IMG",cache.direct=on,aio=io_uring \
-      --export type=vhost-user-blk,id=e0,node-name=f0,addr.type=unix,addr.path="$D/qsd.sock",num-queues=1,writable=on &
-    pids+=($!); QPID=$!
-  fi
-  wait_sock "$D/vblk.sock"; wait_sock "$D/qsd.sock"
+# start NAME CMD...: a device pinned to CPU 1; its socket is $D/NAME.sock
+start() {
+  local name=$1; shift
+  rm -f "$D/$name.sock"
+  taskset -c 1 "$@" &
+  pids+=($!)
+  eval "PID_${name//-/_}=$!"
+  wait_sock "$D/$name.sock"
 }
 
-stop_pair() { kill "$VPID" "$QPID"; wait "$VPID" "$QPID" 2>/dev/null || true; }
+stop_all() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; pids=(); }
 
-for kind in null file; do
-  start_pair "$kind"
-  for qd in 1 32; do
-    echo "== $kind disk, 4 KiB random reads, QD$qd (vblk serve = first row, qemu-storage-daemon = second)"
-    taskset -c 0 "$V" --log-level warn bench --name "$kind-qd$qd" --rw=randread --bs=4k --iodepth="$qd" \
-      --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g \
-      --compare "socket=$D/vblk.sock@$VPID,$D/qsd.sock@$QPID" --repeat "$REPEAT"
-  done
-  stop_pair
-done
+vblk() { # NAME DISK ARGS...
+  local name=$1 disk=$2; shift 2
+  start "$name" "$V" --log-level warn serve --socket-path "$D/$name.sock" --blk-file "$disk" \
+    --num-queues 1 --image-lock off "$@"
+}
+
+qsd() { # NAME BLOCKDEV [iothread]
+  local name=$1 blockdev=$2 io=${3:-}
+  local obj=() exp="type=vhost-user-blk,id=e0,node-name=n0,addr.type=unix,addr.path=$D/$name.sock,num-queues=1,writable=on"
+  if [ -n "$io" ]; then obj=(--object iothread,id=iot0); exp="$exp,iothread=iot0"; fi
+  start "$name" qemu-storage-daemon "${obj[@]}" --blockdev "$blockdev,node-name=n0" --export "$exp"
+}
+
+sock() { local v="PID_${1//-/_}"; echo "$D/$1.sock@${!v}"; }
+
+bench() { # TITLE ARGS... (compare key last)
+  local title=$1; shift
+  echo
+  echo "== $title"
+  echo "\$ vblk bench $*"
+  taskset -c 0 "$V" --log-level warn bench --name "${title%% *}" --bs=4k --rw=randread \
+    --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g --repeat "$REPEAT" "$@"
+}
+
+want() { [[ " $TABLES " == *" $1 "* ]]; }
+
+null_devices() {
+  vblk vblk null:1G
+  vblk vblk-poll0 null:1G --poll-us 0
+  qsd qsd "driver=null-co,size=1073741824,read-zeroes=on"
+  qsd qsd-iothread "driver=null-co,size=1073741824,read-zeroes=on" iothread
+  NULLS="socket=$(sock vblk),$(sock vblk-poll0),$(sock qsd),$(sock qsd-iothread)"
+}
+
+if want null-qd1 || want null-qd32 || want null-100k || want null-500k || want idle; then
+  null_devices
+  want null-qd1 && bench "null-qd1: null disk, QD1, saturation" --iodepth=1 --compare "$NULLS"
+  want null-qd32 && bench "null-qd32: null disk, QD32, saturation" --iodepth=32 --compare "$NULLS"
+  want null-100k && bench "null-100k: null disk, QD32, 100 k IOPS offered" --iodepth=32 --rate_iops=100000 --compare "$NULLS"
+  want null-500k && bench "null-500k: null disk, QD32, 500 k IOPS offered" --iodepth=32 --rate_iops=500000 --compare "$NULLS"
+  want idle && bench "idle: null disk, an attached driver doing 10 I/Os per second" --iodepth=1 --rate_iops=10 --compare "$NULLS"
+  stop_all
+fi
+
+if want file-qd1 || want file-qd32 || want file-baseline; then
+  vblk vblk "$IMG" --cache none
+  vblk vblk-poll0 "$IMG" --cache none --poll-us 0
+  qsd qsd-native "driver=file,filename=$IMG,cache.direct=on,aio=native"
+  qsd qsd-io_uring "driver=file,filename=$IMG,cache.direct=on,aio=io_uring"
+  qsd qsd-threads "driver=file,filename=$IMG,cache.direct=on,aio=threads"
+  qsd qsd-iothread "driver=file,filename=$IMG,cache.direct=on,aio=io_uring" iothread
+  FILES="socket=$(sock vblk),$(sock vblk-poll0),$(sock qsd-native),$(sock qsd-io_uring),$(sock qsd-threads),$(sock qsd-iothread)"
+  want file-qd1 && bench "file-qd1: O_DIRECT file, QD1" --iodepth=1 --compare "$FILES"
+  want file-qd32 && bench "file-qd32: O_DIRECT file, QD32" --iodepth=32 --compare "$FILES"
+  stop_all
+  if want file-baseline; then
+    echo
+    echo "== file-baseline: the same file and job with no virtio (io_uring on the file), QD32"
+    taskset -c 0 "$V" --log-level warn bench --name baseline --bs=4k --rw=randread --iodepth=32 \
+      --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g --repeat "$REPEAT" \
+      --disk "$IMG" --cache none --compare target=embedded,baseline
+  fi
+fi

@@ -150,6 +150,11 @@ pub struct JobSpec {
     pub norandommap: bool,
     /// `verify=`.
     pub verify: Option<Verify>,
+    /// `rate_iops=R[,W]`: most I/Os per second of each direction (reads, writes); 0 or
+    /// absent: no limit.
+    pub rate_iops: [u64; 2],
+    /// `rate=R[,W]`: most bytes per second of each direction; 0 or absent: no limit.
+    pub rate: [u64; 2],
     /// vblk extension `path=`: the driver's I/O path name (`bio`, `batch`, ...), validated by the
     /// runner.
     pub path: Option<String>,
@@ -178,6 +183,8 @@ impl Default for JobSpec {
             ramp_time: Duration::ZERO,
             norandommap: false,
             verify: None,
+            rate_iops: [0, 0],
+            rate: [0, 0],
             path: None,
             ignored: Vec::new(),
         }
@@ -258,6 +265,10 @@ pub fn apply_option(spec: &mut JobSpec, key: &str, value: Option<&str>) -> Resul
         "time_based" => spec.time_based = parse_flag(value)?,
         "norandommap" => spec.norandommap = parse_flag(value)?,
         "verify" => spec.verify = parse_verify(need()?)?,
+        "rate_iops" => spec.rate_iops = parse_pair(need()?, |v| parse_count(v, 0).map(u64::from))?,
+        "rate" => spec.rate = parse_pair(need()?, parse_size)?,
+        // fio's default and only the linear process is implemented.
+        "rate_process" if value.map(str::trim) == Some("linear") => spec.ignore(key),
         "path" => spec.path = Some(need()?.to_string()),
         _ => {
             let other = if harmless(key) {
@@ -280,6 +291,20 @@ pub fn apply_option(spec: &mut JobSpec, key: &str, value: Option<&str>) -> Resul
         }
     }
     Ok(())
+}
+
+/// fio's `R[,W]` for per-direction values: `R` alone sets both; `,W` sets writes only.
+fn parse_pair(v: &str, f: impl Fn(&str) -> Result<u64, String>) -> Result<[u64; 2], String> {
+    match v.split_once(',') {
+        None => {
+            let x = f(v)?;
+            Ok([x, x])
+        }
+        Some((r, w)) => {
+            let one = |s: &str| if s.trim().is_empty() { Ok(0) } else { f(s) };
+            Ok([one(r)?, one(w)?])
+        }
+    }
 }
 
 /// A job-file error, naming the 1-based line.

@@ -8,6 +8,7 @@
 //! - [`stats`]: latency histograms and CPU accounting.
 //! - [`target`]: an embedded device, a socket, or the baseline (no virtio).
 //! - [`lane`]: one job thread's I/O channel: the driver's queue, or a storage engine.
+//! - [`pace`]: fio's `rate_iops=` and `rate=` (equal offered load for comparisons).
 //! - [`run`]: running a job (numjobs threads, iodepth, batching, ramp, verify).
 //! - [`verify`]: crc32c sector headers and the written map.
 //! - [`report`]: fio-like text, fio-shaped JSON, comparison tables and SVG charts.
@@ -16,6 +17,7 @@
 
 pub mod job;
 pub mod lane;
+pub mod pace;
 pub mod plan;
 pub mod report;
 pub mod run;

@@ -10,6 +10,7 @@ use driver::PathKind;
 
 use crate::job::{JobSpec, Size};
 use crate::lane::{Done, Lane};
+use crate::pace::Pacer;
 use crate::stats::{Cpu, Latency};
 use crate::target::{AttachOptions, Geometry, Target};
 use crate::verify::{self, WrittenMap};
@@ -395,6 +396,9 @@ fn run_clone(
     let mut cpu0 = Cpu::this_thread();
     let mut first_measured: Option<Instant> = None;
     let mut last_done = Instant::now();
+    let mut pacer = Pacer::of(spec, w.start);
+    // The next I/O, drawn but held back by the rate.
+    let mut pending = None;
     std::thread::sleep(w.start.saturating_duration_since(Instant::now()));
     loop {
         let now = Instant::now();
@@ -406,11 +410,21 @@ fn run_clone(
         if w.deadline.is_some_and(|d| now >= d) || progress.stop.load(Ordering::Relaxed) {
             stopping = true;
         }
-        // Submit until the depth is full.
+        // Submit until the depth is full (or the rate says wait).
         let mut n = 0;
-        while !stopping && in_flight < depth {
+        let mut due = None;
+        while !stopping && in_flight < depth && !free.is_empty() {
+            let u = pending.take().unwrap_or_else(|| gen.next());
+            if let Some(p) = pacer.as_mut() {
+                let now = Instant::now();
+                if let Some(t) = p.due(u.dir, now) {
+                    pending = Some(u);
+                    due = Some(t);
+                    break;
+                }
+                p.started(u.dir, u.len, now);
+            }
             let Some(slot) = free.pop() else { break };
-            let u = gen.next();
             if u.dir == IoDir::Write && verifying {
                 generation += 1;
                 verify::fill(lane.buf(slot, u.len as usize), u.offset, generation);
@@ -437,7 +451,14 @@ fn run_clone(
         }
         lane.unplug()?;
         if in_flight == 0 {
-            break;
+            match due {
+                // Held back by the rate with nothing in flight: sleep until it is due.
+                Some(t) if !stopping => {
+                    std::thread::sleep(t.saturating_duration_since(Instant::now()));
+                    continue;
+                }
+                _ => break,
+            }
         }
         done.clear();
         lane.wait(batch_complete.min(in_flight), &mut done)?;

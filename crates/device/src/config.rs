@@ -80,6 +80,8 @@ pub struct DeviceConfig {
     pub control_socket: Option<PathBuf>,
     /// Files and block devices: image locking and the format probe.
     pub image: storage::ImageChecks,
+    /// NBD disks: reconnection limit, timeout, connections per worker.
+    pub nbd: storage::nbd::NbdOptions,
 }
 
 impl Default for DeviceConfig {
@@ -103,6 +105,7 @@ impl Default for DeviceConfig {
             inflight: true,
             delay: None,
             control_socket: None,
+            nbd: Default::default(),
         }
     }
 }

@@ -159,6 +159,7 @@ pub fn serve(
             prealloc: config.prealloc,
             image: config.image,
             engine_threads: config.engine_threads,
+            nbd: config.nbd,
         },
     )?);
     // An engine that cannot work on this disk (aio without O_DIRECT, io_uring or AIO

@@ -30,6 +30,8 @@
 mod blk;
 pub mod config;
 pub mod daemon;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod inflight;
 mod memory;
 mod poll;

@@ -1,6 +1,7 @@
 //! Backends: where a disk's bytes live. [`Backend::open`] turns a [`DiskSpec`]
-//! into an opened regular file, block device, RAM disk (a memfd mapped shared) or
-//! null disk, and [`Backend::engine`] gives each worker its own engine on it.
+//! into an opened regular file, block device, RAM disk (a memfd mapped shared), null
+//! disk or simulated hard disk (a RAM disk with a timing model, `hdd.rs`), and
+//! [`Backend::engine`] gives each worker its own engine on it.
 
 use std::fmt;
 use std::fs::File;
@@ -18,8 +19,10 @@ use crate::bounce::{probe_dio, DioAlign, DioProbe};
 use crate::engine::{check_depth, Engine, EngineKind};
 use crate::error::Error;
 use crate::format::{probe_file, Format};
+use crate::hdd::{HddDisk, HddEngine, DESKTOP_7200};
 use crate::inline::InlineEngine;
 use crate::lock::{lock_image, Access, ImageLock};
+use crate::nbd::{Export, NbdEngine, NbdOptions};
 use crate::spec::{DiskSpec, SECTOR_SIZE};
 use crate::sync_engine::SyncEngine;
 use crate::threads_engine::{ThreadsEngine, DEFAULT_ENGINE_THREADS, MAX_ENGINE_THREADS};
@@ -80,6 +83,8 @@ pub struct OpenOptions {
     /// The size of each `threads` engine's pool (one pool per engine, so per worker):
     /// 1..=[`MAX_ENGINE_THREADS`]; [`DEFAULT_ENGINE_THREADS`] by default.
     pub engine_threads: usize,
+    /// NBD disks only: reconnection, timeouts, connections per engine.
+    pub nbd: NbdOptions,
 }
 
 impl Default for OpenOptions {
@@ -90,6 +95,7 @@ impl Default for OpenOptions {
             prealloc: false,
             image: ImageChecks::default(),
             engine_threads: DEFAULT_ENGINE_THREADS,
+            nbd: NbdOptions::default(),
         }
     }
 }
@@ -119,6 +125,10 @@ pub enum BackendKind {
     Mem,
     /// Reads zeroes, drops writes.
     Null,
+    /// An export on an NBD server.
+    Nbd,
+    /// A simulated 7200 rpm disk: a RAM disk whose requests take a hard disk's time.
+    Hdd,
 }
 
 /// What `fallocate` modes turned out to be unsupported, learnt once per backend so
@@ -167,6 +177,9 @@ pub struct Backend {
     engine_threads: usize,
     /// Testing aid: submit calls still to be refused ([`Backend::refuse_submits`]).
     refusals: AtomicUsize,
+    nbd: Option<Arc<Export>>,
+    /// The timing model and head position of a simulated hard disk.
+    hdd: Option<HddDisk>,
 }
 
 // SAFETY: the only field that is not Send + Sync is the RAM disk's mapping, a
@@ -188,6 +201,21 @@ impl Backend {
                 check_sector_multiple(*size)?;
                 Ok(Backend::bare(BackendKind::Null, *size, "vblk-null", opts))
             }
+            DiskSpec::Nbd(spec) => {
+                let ex = Export::open(spec, opts.read_only, opts.nbd)?;
+                let mut b = Backend::bare(BackendKind::Nbd, ex.info.size, "", opts);
+                b.logical_block_size = ex.block;
+                b.serial = nbd_serial(spec);
+                b.nbd = Some(Arc::new(ex));
+                Ok(b)
+            }
+            DiskSpec::Hdd { size, speedup } => {
+                let mut backend = open_mem(*size, opts)?;
+                backend.kind = BackendKind::Hdd;
+                backend.serial = "vblk-hdd".to_owned();
+                backend.hdd = Some(HddDisk::new(*size, *speedup, DESKTOP_7200));
+                Ok(backend)
+            }
         }
     }
 
@@ -206,6 +234,8 @@ impl Backend {
             caps: FallocCaps::default(),
             engine_threads: opts.engine_threads,
             refusals: AtomicUsize::new(0),
+            nbd: None,
+            hdd: None,
         }
     }
 
@@ -282,9 +312,14 @@ impl Backend {
     }
 
     /// Whether [`Op::Discard`](crate::Op::Discard) is worth sending (false when
-    /// read-only).
+    /// read-only, or on an NBD export whose server does not take NBD_CMD_TRIM).
     pub fn supports_discard(&self) -> bool {
-        !self.read_only
+        !self.read_only && self.nbd.as_ref().is_none_or(|ex| ex.can_trim())
+    }
+
+    /// What the NBD handshake learnt (NBD disks only).
+    pub fn nbd_export(&self) -> Option<crate::nbd::ExportInfo> {
+        self.nbd.as_ref().map(|ex| ex.info)
     }
 
     /// Whether [`Op::WriteZeroes`](crate::Op::WriteZeroes) works (false when
@@ -294,7 +329,7 @@ impl Backend {
     }
 
     /// A serial number of at most 20 bytes: the file name (its last 20 bytes if
-    /// longer), `vblk-mem` or `vblk-null`.
+    /// longer), `vblk-mem`, `vblk-null` or `vblk-hdd`.
     pub fn default_serial(&self) -> String {
         self.serial.clone()
     }
@@ -312,18 +347,29 @@ impl Backend {
 
     /// A per-worker engine; `depth` = the most operations ever in flight at once
     /// (1..=[`MAX_DEPTH`](crate::MAX_DEPTH)). RAM and null disks get the inline
-    /// engine whatever `kind` says. The aio engine needs `cache=none`
-    /// ([`Error::AioNeedsDirect`]).
+    /// engine, NBD disks the NBD engine (its own connection), simulated hard disks the
+    /// `hdd` engine (data moved inline, completions when the model says they are due),
+    /// whatever `kind` says. The aio engine needs `cache=none` ([`Error::AioNeedsDirect`]).
     pub fn engine(
         self: &Arc<Self>,
         kind: EngineKind,
         depth: u32,
     ) -> Result<Box<dyn Engine>, Error> {
         let depth_n = check_depth(depth)?;
+        if let Some(ex) = &self.nbd {
+            return Ok(Box::new(NbdEngine::new(Arc::clone(ex), depth_n)?));
+        }
         match (self.kind, kind) {
             (BackendKind::Mem | BackendKind::Null, _) => {
                 Ok(Box::new(InlineEngine::new(Arc::clone(self), depth_n)))
             }
+            (BackendKind::Hdd, _) => HddEngine::new(Arc::clone(self), depth_n)
+                .map(|e| Box::new(e) as Box<dyn Engine>)
+                .map_err(|source| Error::EngineSetup {
+                    engine: "hdd",
+                    depth,
+                    source,
+                }),
             (_, EngineKind::Sync) => Ok(Box::new(SyncEngine::new(Arc::clone(self), depth_n))),
             (_, EngineKind::IoUring) => Ok(Box::new(UringEngine::new(Arc::clone(self), depth)?)),
             (_, EngineKind::Aio) => Ok(Box::new(AioEngine::new(Arc::clone(self), depth)?)),
@@ -392,6 +438,11 @@ impl Backend {
     /// The RAM disk's mapping.
     pub(crate) fn map(&self) -> Option<&MemMap> {
         self.map.as_ref()
+    }
+
+    /// The simulated hard disk's model and head.
+    pub(crate) fn hdd(&self) -> Option<&HddDisk> {
+        self.hdd.as_ref()
     }
 }
 
@@ -545,6 +596,8 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
         caps: FallocCaps::default(),
         engine_threads: opts.engine_threads,
         refusals: AtomicUsize::new(0),
+        nbd: None,
+        hdd: None,
     })
 }
 
@@ -610,6 +663,26 @@ fn open_mem(size: u64, opts: &OpenOptions) -> Result<Backend, Error> {
     backend.file = Some(file);
     backend.map = Some(MemMap { ptr, len });
     Ok(backend)
+}
+
+/// An NBD disk's serial: the export name, or the socket's or host's name, at most 20
+/// bytes (the last ones).
+fn nbd_serial(spec: &crate::nbd::NbdSpec) -> String {
+    let name = if !spec.export.is_empty() {
+        spec.export.clone()
+    } else {
+        match &spec.addr {
+            crate::nbd::NbdAddr::Unix(p) => p
+                .file_name()
+                .map_or_else(|| "nbd".to_owned(), |n| n.to_string_lossy().into_owned()),
+            crate::nbd::NbdAddr::Tcp { host, .. } => host.clone(),
+        }
+    };
+    let mut start = name.len().saturating_sub(SERIAL_MAX);
+    while !name.is_char_boundary(start) {
+        start += 1;
+    }
+    name[start..].to_owned()
 }
 
 /// The file name, or its last 20 bytes (cut at a character boundary) if longer.

@@ -17,7 +17,7 @@ use crate::spec::format_size;
 #[non_exhaustive]
 pub enum Error {
     /// A disk spec was the empty string.
-    #[error("empty disk spec (expected PATH, mem:SIZE or null:SIZE)")]
+    #[error("empty disk spec (expected PATH, mem:SIZE, null:SIZE or an nbd:// URI)")]
     EmptySpec,
     /// A size was the empty string.
     #[error(
@@ -220,6 +220,15 @@ pub enum Error {
         /// The largest size allowed.
         max: usize,
     },
+    /// An NBD export could not be named, reached or served.
+    #[error("{uri}: {source}")]
+    Nbd {
+        /// The URI, as given or as vblk writes it.
+        uri: String,
+        /// What went wrong.
+        #[source]
+        source: crate::nbd::NbdError,
+    },
     /// The kernel refused to set up an engine (e.g. io_uring disabled).
     #[error("{engine} engine with depth {depth}: {}", errno_text(source))]
     EngineSetup {
@@ -230,6 +239,12 @@ pub enum Error {
         /// What the kernel said.
         #[source]
         source: io::Error,
+    },
+    /// The speed factor of `hdd:SIZE:xN` is not `x` and a number from 1 to 1000000.
+    #[error("hdd speed factor {input:?} is not xN with N from 1 to 1000000 (e.g. hdd:1G:x10)")]
+    BadSpeedup {
+        /// The text that was given.
+        input: String,
     },
 }
 

@@ -7,13 +7,15 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-use crate::backend::{Backend, BackendKind};
+use crate::backend::Backend;
 use crate::engine::{
     check_range, errno, iov_slice, iov_total, Completion, CompletionRing, Engine, Full, Op,
 };
 use crate::sysio::{fallocate, PUNCH_HOLE};
 
-/// Serves [`BackendKind::Mem`] and [`BackendKind::Null`] backends.
+/// Serves [`BackendKind::Mem`](crate::BackendKind::Mem) and
+/// [`BackendKind::Null`](crate::BackendKind::Null) backends, and moves the data of
+/// [`BackendKind::Hdd`](crate::BackendKind::Hdd) ones.
 pub(crate) struct InlineEngine {
     backend: Arc<Backend>,
     /// Start of the RAM disk's mapping; null for a null disk.
@@ -30,10 +32,8 @@ unsafe impl Send for InlineEngine {}
 
 impl InlineEngine {
     pub(crate) fn new(backend: Arc<Backend>, depth: usize) -> Self {
-        let base = match backend.kind() {
-            BackendKind::Mem => backend.map().map_or(std::ptr::null_mut(), |m| m.as_ptr()),
-            _ => std::ptr::null_mut(),
-        };
+        // RAM-backed disks (mem, hdd) have a mapping; a null disk has none.
+        let base = backend.map().map_or(std::ptr::null_mut(), |m| m.as_ptr());
         InlineEngine {
             backend,
             base,

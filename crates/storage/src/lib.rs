@@ -1,7 +1,7 @@
 //! Where vblk's bytes live: disk backends and the I/O engines that move bytes
 //! between them and the buffers a device hands over. Nothing here knows virtio.
 //!
-//! A disk is named by a [`DiskSpec`] (`PATH`, `mem:SIZE`, `null:SIZE`), opened
+//! A disk is named by a [`DiskSpec`] (`PATH`, `mem:SIZE`, `null:SIZE`, `hdd:SIZE`, `nbd://...`), opened
 //! once as a [`Backend`] shared behind an `Arc`, and each worker thread gets its
 //! own [`Engine`] from [`Backend::engine`]: push [`Op`]s with tokens, `submit`
 //! them in one go, `reap` [`Completion`]s.
@@ -25,7 +25,9 @@
 //! | `sync_engine` | the sync engine: `preadv2`/`pwritev2` inside `submit` |
 //! | `inline` | the RAM and null disks' engine: memcpy/memset inside `submit` |
 //! | `sysio` | synchronous I/O both file engines share: short transfers, flush, discard and write-zeroes with their fallbacks |
+//! | `hdd` | the simulated 7200 rpm disk (`hdd:SIZE`): its documented timing model, and the engine that serves a RAM disk's bytes with that disk's timing, completions delivered on a timerfd |
 //! | `delay` | [`Delay`] and [`delayed`]: a testing aid that holds every Nth completion back, for out-of-order completions |
+//! | [`nbd`] | NBD disks: the URI grammar, our client (handshake, pipelined requests matched by cookie, reconnect and replay) and its engine |
 //! | `bounce` | O_DIRECT alignment (`statx` `STATX_DIOALIGN`) and pooled aligned bounce buffers |
 //!
 //! Rules the engines keep: no heap allocation per operation once warm (slots,
@@ -44,8 +46,10 @@ mod delay;
 mod engine;
 mod error;
 mod format;
+mod hdd;
 mod inline;
 mod lock;
+pub mod nbd;
 mod pool;
 mod spec;
 mod sync_engine;

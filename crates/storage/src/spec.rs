@@ -1,11 +1,12 @@
 //! The SPEC grammar that names a disk everywhere in vblk (`PATH`, `mem:SIZE`,
-//! `null:SIZE`) and the size grammar inside it (`512`, `4K`, `1GiB`, ...).
+//! `null:SIZE`, `hdd:SIZE[:xN]`) and the size grammar inside it (`512`, `4K`, `1GiB`, ...).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use crate::error::Error;
+use crate::nbd::{NbdError, NbdSpec};
 
 /// The sector size: every disk size and every I/O is a multiple of it.
 pub const SECTOR_SIZE: u64 = 512;
@@ -13,8 +14,10 @@ pub const SECTOR_SIZE: u64 = 512;
 /// What a disk is: the SPEC grammar used wherever vblk names a disk.
 ///
 /// `PATH` names a regular file or a block device, `mem:SIZE` a RAM disk of SIZE
-/// bytes, `null:SIZE` a disk that reads zeroes and drops writes. A file whose name
-/// starts with `mem:` or `null:` is written `./mem:...`.
+/// bytes, `null:SIZE` a disk that reads zeroes and drops writes, `hdd:SIZE` a RAM disk
+/// with the timing of a 7200 rpm hard disk (`hdd:SIZE:xN`: N times faster), `nbd://...`
+/// and `nbd+unix://...` an NBD export. A file whose name starts with `mem:`, `null:`,
+/// `hdd:` or `nbd` and a colon is written `./mem:...`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DiskSpec {
     /// A regular file or a block device.
@@ -23,6 +26,41 @@ pub enum DiskSpec {
     Mem(u64),
     /// A null disk of this many bytes.
     Null(u64),
+    /// An export on an NBD server: `nbd://HOST[:PORT]/EXPORT` or
+    /// `nbd+unix:///EXPORT?socket=PATH`.
+    Nbd(NbdSpec),
+    /// A simulated rotational disk: RAM-backed, timed like a 7200 rpm disk.
+    Hdd {
+        /// Bytes.
+        size: u64,
+        /// Every modelled time is divided by this (1: real time; `hdd:SIZE:xN`).
+        speedup: u32,
+    },
+}
+
+/// Parses `hdd:`'s `SIZE[:xN]`.
+fn parse_hdd(s: &str) -> Result<DiskSpec, Error> {
+    let (size, speedup) = match s.split_once(':') {
+        None => (s, 1),
+        Some((size, factor)) => {
+            let bad = || Error::BadSpeedup {
+                input: factor.to_owned(),
+            };
+            let n: u32 = factor
+                .strip_prefix('x')
+                .ok_or_else(bad)?
+                .parse()
+                .map_err(|_| bad())?;
+            if n == 0 || n > crate::hdd::MAX_SPEEDUP {
+                return Err(bad());
+            }
+            (size, n)
+        }
+    };
+    Ok(DiskSpec::Hdd {
+        size: parse_size(size)?,
+        speedup,
+    })
 }
 
 impl FromStr for DiskSpec {
@@ -38,6 +76,17 @@ impl FromStr for DiskSpec {
         if let Some(size) = s.strip_prefix("null:") {
             return Ok(DiskSpec::Null(parse_size(size)?));
         }
+        if NbdSpec::looks_like_uri(s) {
+            return NbdSpec::parse(s)
+                .map(DiskSpec::Nbd)
+                .map_err(|why| Error::Nbd {
+                    uri: s.to_owned(),
+                    source: NbdError::Uri(why),
+                });
+        }
+        if let Some(rest) = s.strip_prefix("hdd:") {
+            return parse_hdd(rest);
+        }
         Ok(DiskSpec::File(PathBuf::from(s)))
     }
 }
@@ -47,7 +96,11 @@ impl fmt::Display for DiskSpec {
         match self {
             DiskSpec::File(path) => {
                 let text = path.to_string_lossy();
-                if path.is_relative() && (text.starts_with("mem:") || text.starts_with("null:")) {
+                let reserved = ["mem:", "null:", "hdd:"];
+                if path.is_relative()
+                    && (reserved.iter().any(|p| text.starts_with(p))
+                        || NbdSpec::looks_like_uri(&text))
+                {
                     write!(f, "{}", Path::new(".").join(path).display())
                 } else {
                     write!(f, "{}", path.display())
@@ -55,6 +108,9 @@ impl fmt::Display for DiskSpec {
             }
             DiskSpec::Mem(size) => write!(f, "mem:{}", format_size(*size)),
             DiskSpec::Null(size) => write!(f, "null:{}", format_size(*size)),
+            DiskSpec::Nbd(spec) => write!(f, "{spec}"),
+            DiskSpec::Hdd { size, speedup: 1 } => write!(f, "hdd:{}", format_size(*size)),
+            DiskSpec::Hdd { size, speedup } => write!(f, "hdd:{}:x{speedup}", format_size(*size)),
         }
     }
 }
@@ -139,5 +195,35 @@ mod tests {
         assert_eq!(format_size(1 << 30), "1G");
         assert_eq!(format_size(1536), "1536");
         assert_eq!(format_size(3 << 19), "1536K");
+    }
+
+    #[test]
+    fn hdd_specs() {
+        let hdd = |size, speedup| DiskSpec::Hdd { size, speedup };
+        assert_eq!("hdd:1G".parse::<DiskSpec>().unwrap(), hdd(1 << 30, 1));
+        assert_eq!(
+            "hdd:64M:x100".parse::<DiskSpec>().unwrap(),
+            hdd(64 << 20, 100)
+        );
+        for s in ["hdd:1G", "hdd:64M:x100", "hdd:512:x1000000", "./hdd:1G"] {
+            assert_eq!(s.parse::<DiskSpec>().unwrap().to_string(), s);
+        }
+        assert_eq!(hdd(1 << 30, 1).to_string(), "hdd:1G");
+        assert_eq!(
+            DiskSpec::File("hdd:1G".into()).to_string(),
+            "./hdd:1G",
+            "a file named like a spec stays a file"
+        );
+        for (bad, why) in [
+            ("hdd:1G:100", "hdd speed factor \"100\" is not xN"),
+            ("hdd:1G:x0", "hdd speed factor \"x0\" is not xN"),
+            ("hdd:1G:x1000001", "\"x1000001\""),
+            ("hdd:1G:", "hdd speed factor \"\""),
+            ("hdd:1000", "size 1000 is not a multiple of 512"),
+            ("hdd:", "empty size"),
+        ] {
+            let e = bad.parse::<DiskSpec>().unwrap_err().to_string();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
     }
 }

@@ -52,7 +52,7 @@ fn specs_display_and_round_trip() {
 fn bad_specs_say_why() {
     assert_eq!(
         spec_err(""),
-        "empty disk spec (expected PATH, mem:SIZE or null:SIZE)"
+        "empty disk spec (expected PATH, mem:SIZE, null:SIZE or an nbd:// URI)"
     );
     assert_eq!(
         spec_err("mem:"),

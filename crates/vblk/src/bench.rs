@@ -93,6 +93,14 @@ pub struct BenchArgs {
     /// crc32c: check every block written when it is read back (and after the run).
     #[arg(long, value_name = "KIND")]
     pub verify: Option<String>,
+    /// Issue at most this many I/Os per second per job (`R` or `R,W`: reads, writes; `,W`
+    /// limits writes only), like fio: for comparing devices at equal offered load.
+    #[arg(long = "rate_iops", alias = "rate-iops", value_name = "R[,W]")]
+    pub rate_iops: Option<String>,
+    /// Issue at most this many bytes per second per job (`R` or `R,W`, with k/m/g
+    /// suffixes).
+    #[arg(long, value_name = "R[,W]")]
+    pub rate: Option<String>,
 
     /// A vhost-user-blk device to run against instead of the embedded one.
     #[arg(long, value_name = "PATH", conflicts_with = "baseline")]
@@ -103,7 +111,9 @@ pub struct BenchArgs {
     /// Run the job on the disk through the engine (--engine) with no virtio in between.
     #[arg(long)]
     pub baseline: bool,
-    /// The disk of the embedded device or the baseline: PATH, mem:SIZE, null:SIZE.
+    /// The disk of the embedded device or the baseline: PATH, mem:SIZE, null:SIZE, hdd:SIZE
+    /// (a simulated 7200 rpm disk; hdd:SIZE:xN is N times faster), `nbd://HOST[:PORT]/EXPORT`,
+    /// `nbd+unix:///EXPORT?socket=PATH`.
     #[arg(long, value_name = "SPEC", default_value = "mem:1G")]
     pub disk: DiskSpec,
     /// Engine of the embedded device or the baseline (files and block devices; RAM and
@@ -125,6 +135,10 @@ pub struct BenchArgs {
     /// Host cache of the embedded device or the baseline: none (O_DIRECT), writeback.
     #[arg(long, value_name = "MODE", default_value = "writeback")]
     pub cache: String,
+    /// NBD disks: connections per embedded-device worker (or baseline job) when the server
+    /// offers multi-conn.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub nbd_conns: u32,
     /// Polling window of the embedded device's workers, µs.
     #[arg(long, value_name = "US", default_value_t = device::config::DEFAULT_POLL_US)]
     pub poll_us: u64,
@@ -183,6 +197,8 @@ impl BenchArgs {
             ("runtime", &self.runtime),
             ("ramp_time", &self.ramp_time),
             ("verify", &self.verify),
+            ("rate_iops", &self.rate_iops),
+            ("rate", &self.rate),
         ]
         .into_iter()
         .filter_map(|(k, v)| v.as_deref().map(|v| (k, Some(v))))
@@ -264,6 +280,10 @@ impl TryFrom<&BenchArgs> for Plan {
                 engine_threads: a.engine_threads,
                 poll_us: a.poll_us,
                 threads: a.threads,
+                nbd: storage::nbd::NbdOptions {
+                    conns: a.nbd_conns.clamp(1, 64),
+                    ..Default::default()
+                },
                 ..plan::embedded_defaults()
             })
         };

@@ -6,20 +6,23 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::bench::BenchArgs;
 use crate::info::InfoArgs;
+use crate::man::ManArgs;
 use crate::serve::ServeArgs;
 use crate::stats::StatsArgs;
 
-/// vblk — a userspace virtio-blk stack.
+/// A userspace virtio-blk stack.
 ///
 /// `vblk serve` is a vhost-user-blk device daemon that QEMU, Cloud Hypervisor and other
 /// vhost-user frontends attach virtio-blk disks to; `vblk info` attaches to any
-/// vhost-user-blk device and shows what it offers.
+/// vhost-user-blk device and shows what it offers; `vblk bench` benchmarks I/O paths;
+/// `vblk stats` reads a running daemon's statistics.
 #[derive(Debug, Parser)]
-#[command(name = "vblk", version, about, long_about = None)]
+#[command(name = "vblk", version)]
 pub struct Cli {
-    /// How much to log on stderr.
-    #[arg(long, global = true, value_enum, default_value_t = LogLevel::Info)]
-    pub log_level: LogLevel,
+    /// How much to log on stderr [default: info for serve (connections, queue summaries),
+    /// warn for info, bench and stats, whose output is on stdout].
+    #[arg(long, global = true, value_enum)]
+    pub log_level: Option<LogLevel>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -48,11 +51,30 @@ pub enum Command {
     Info(InfoArgs),
     Bench(Box<BenchArgs>),
     Stats(StatsArgs),
+    #[command(hide = true)]
+    Man(ManArgs),
+}
+
+impl Command {
+    /// The log level when `--log-level` is not given: the daemon reports its connections
+    /// and queue summaries (INFO); the commands that print results log only warnings, so
+    /// that nothing interleaves with their output.
+    pub fn default_log_level(&self) -> LogLevel {
+        match self {
+            Command::Serve(_) => LogLevel::Info,
+            Command::Info(_) | Command::Bench(_) | Command::Stats(_) | Command::Man(_) => {
+                LogLevel::Warn
+            }
+        }
+    }
 }
 
 /// Run the parsed command line.
 pub fn run(cli: Cli) -> Result<(), Box<dyn Error>> {
-    let level = match cli.log_level {
+    let level = match cli
+        .log_level
+        .unwrap_or_else(|| cli.command.default_log_level())
+    {
         LogLevel::Error => log::LevelFilter::Error,
         LogLevel::Warn => log::LevelFilter::Warn,
         LogLevel::Info => log::LevelFilter::Info,
@@ -69,5 +91,6 @@ pub fn run(cli: Cli) -> Result<(), Box<dyn Error>> {
         Command::Info(args) => crate::info::run(args),
         Command::Bench(args) => crate::bench::run(*args),
         Command::Stats(args) => crate::stats::run(args),
+        Command::Man(args) => crate::man::run(args),
     }
 }

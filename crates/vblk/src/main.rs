@@ -4,6 +4,7 @@
 mod bench;
 mod cli;
 mod info;
+mod man;
 mod serve;
 mod stats;
 

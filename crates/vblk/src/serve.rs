@@ -3,10 +3,12 @@
 use std::error::Error;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use device::config::{DEFAULT_NUM_QUEUES, DEFAULT_POLL_US, DEFAULT_QUEUE_SIZE};
 use device::{Controls, DeviceConfig, Listen};
+use storage::nbd::NbdOptions;
 use storage::{CacheMode, DiskSpec, EngineKind, Format, ImageChecks, ImageLock};
 
 /// Serve a disk as a vhost-user-blk device.
@@ -34,7 +36,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH", conflicts_with = "fd")]
     pub socket_path: Option<PathBuf>,
 
-    /// Already listening Unix socket inherited from the caller (systemd socket activation).
+    /// Already listening Unix socket inherited from the caller (systemd socket activation:
+    /// --fd 3) [default: with neither --socket-path nor --fd, the socket systemd passed,
+    /// when LISTEN_PID is this process and LISTEN_FDS is 1].
     #[arg(long, value_name = "FD")]
     pub fd: Option<i32>,
 
@@ -43,8 +47,12 @@ pub struct ServeArgs {
     pub print_capabilities: bool,
 
     /// The disk: a raw image file or block device (PATH), a RAM disk (mem:SIZE, e.g.
-    /// mem:1G) or a null disk (null:SIZE: reads return zeroes, writes are dropped). SIZE
-    /// takes K, M, G, T suffixes (powers of 1024) and must be a multiple of 512.
+    /// mem:1G), a null disk (null:SIZE: reads return zeroes, writes are dropped), a
+    /// simulated 7200 rpm hard disk (hdd:SIZE: a RAM disk whose requests take the time a
+    /// real disk's would, one at a time in arrival order: command overhead, seek by
+    /// distance, rotational latency, media rate; hdd:SIZE:xN runs N times faster), or an
+    /// export on an NBD server (`nbd://HOST[:PORT]/EXPORT`, `nbd+unix:///EXPORT?socket=PATH`).
+    /// SIZE takes K, M, G, T suffixes (powers of 1024) and must be a multiple of 512.
     #[arg(long, value_name = "SPEC")]
     pub blk_file: Option<DiskSpec>,
 
@@ -122,6 +130,23 @@ pub struct ServeArgs {
     /// one 1 MiB O_DIRECT bounce buffer.
     #[arg(long, value_name = "N", default_value_t = storage::DEFAULT_ENGINE_THREADS)]
     pub engine_threads: usize,
+
+    /// NBD disks: when the connection to the server breaks, hold the requests in flight
+    /// and reconnect for up to this many seconds, replaying them on the new connection;
+    /// then fail them (and later ones, while the server stays away) with IOERR.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub nbd_reconnect_secs: u64,
+
+    /// NBD disks: a request with no reply (and no byte from the server) for this many
+    /// seconds means the connection is dead (a silent server); also the limit of one
+    /// connection attempt.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub nbd_timeout_secs: u64,
+
+    /// NBD disks: connections per worker when the server offers multi-conn (1-64; a server
+    /// without it gets one, and then only one writable worker).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub nbd_conns: u32,
 
     /// After its queues run dry a worker keeps polling for up to this many microseconds
     /// (adapting down when polling finds nothing) before it re-enables notifications and
@@ -202,6 +227,38 @@ fn parse_engine(s: &str) -> Result<EngineKind, String> {
     s.parse().map_err(|e: storage::Error| e.to_string())
 }
 
+/// The listening socket a service manager passed, by the sd_listen_fds(3) protocol:
+/// `LISTEN_PID` (`pid`) names the process the sockets are for and `LISTEN_FDS` (`fds`)
+/// how many there are, starting at fd 3. None when nothing was passed to this process
+/// (`me`); an error when more than one socket was.
+pub fn passed_socket(pid: Option<&str>, fds: Option<&str>, me: u32) -> Result<Option<i32>, String> {
+    const SD_LISTEN_FDS_START: i32 = 3;
+    let (Some(pid), Some(fds)) = (pid, fds) else {
+        return Ok(None);
+    };
+    if pid.trim().parse::<u32>().ok() != Some(me) {
+        return Ok(None);
+    }
+    match fds.trim().parse::<u32>() {
+        Ok(0) => Ok(None),
+        Ok(1) => Ok(Some(SD_LISTEN_FDS_START)),
+        Ok(n) => Err(format!(
+            "LISTEN_FDS={n}: vblk serve listens on one socket; give the one to use with --fd"
+        )),
+        Err(_) => Err(format!("LISTEN_FDS={fds:?} is not a number")),
+    }
+}
+
+/// [`passed_socket`] for this process.
+fn socket_from_environment() -> Result<Option<i32>, String> {
+    let var = |name| std::env::var(name).ok();
+    passed_socket(
+        var("LISTEN_PID").as_deref(),
+        var("LISTEN_FDS").as_deref(),
+        std::process::id(),
+    )
+}
+
 /// The backend capabilities for `--print-capabilities` (vhost-user.rst, "block" type).
 pub fn capabilities() -> serde_json::Value {
     serde_json::json!({
@@ -218,11 +275,21 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             (Some(p), None) => Listen::Path(p),
             (None, Some(fd)) if fd >= 0 => Listen::Fd(fd),
             (None, Some(fd)) => return Err(format!("--fd {fd}: not a file descriptor")),
-            _ => return Err("one of --socket-path PATH or --fd FD is required".into()),
+            (None, None) => match socket_from_environment()? {
+                Some(fd) => Listen::Fd(fd),
+                None => {
+                    return Err("one of --socket-path PATH or --fd FD is required (or a \
+                                socket passed by systemd: LISTEN_PID, LISTEN_FDS)"
+                        .into())
+                }
+            },
+            (Some(_), Some(_)) => {
+                return Err("--socket-path and --fd cannot be used together".into())
+            }
         };
         let disk = a
             .blk_file
-            .ok_or("--blk-file SPEC is required (a PATH, mem:SIZE or null:SIZE)")?;
+            .ok_or("--blk-file SPEC is required (a PATH, mem:SIZE, null:SIZE or nbd:// URI)")?;
         let config = DeviceConfig {
             disk,
             read_only: a.read_only,
@@ -241,6 +308,11 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             inflight: !a.no_inflight,
             delay: a.delay_every,
             control_socket: a.control_socket,
+            nbd: NbdOptions {
+                reconnect: Duration::from_secs(a.nbd_reconnect_secs),
+                timeout: Duration::from_secs(a.nbd_timeout_secs.max(1)),
+                conns: a.nbd_conns.clamp(1, 64),
+            },
             image: ImageChecks {
                 lock: match a.image_lock {
                     LockArg::On => ImageLock::On,
@@ -332,6 +404,22 @@ mod tests {
             Command::Serve(a) => <(DeviceConfig, Listen)>::try_from(a),
             _ => Err("not serve".into()),
         }
+    }
+
+    #[test]
+    fn a_socket_passed_by_systemd_is_fd_3() {
+        assert_eq!(passed_socket(Some("42"), Some("1"), 42), Ok(Some(3)));
+        assert_eq!(
+            passed_socket(Some("41"), Some("1"), 42),
+            Ok(None),
+            "not ours"
+        );
+        assert_eq!(passed_socket(None, Some("1"), 42), Ok(None));
+        assert_eq!(passed_socket(Some("42"), None, 42), Ok(None));
+        assert_eq!(passed_socket(Some("42"), Some("0"), 42), Ok(None));
+        let e = passed_socket(Some("42"), Some("2"), 42).unwrap_err();
+        assert!(e.contains("LISTEN_FDS=2") && e.contains("--fd"), "{e}");
+        assert!(passed_socket(Some("42"), Some("x"), 42).is_err());
     }
 
     #[test]

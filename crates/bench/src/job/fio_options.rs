@@ -103,9 +103,7 @@ pub(super) fn harmless(key: &str) -> bool {
 pub(super) fn changes_workload(key: &str) -> bool {
     matches!(
         key,
-        "rate"
-            | "rate_iops"
-            | "rate_min"
+        "rate_min"
             | "rate_iops_min"
             | "rate_process"
             | "rate_cycle"

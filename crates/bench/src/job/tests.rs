@@ -181,8 +181,8 @@ fn bad_files_name_the_line() {
             "line 2: size=: bad size '': expected a number",
         ),
         (
-            "[j]\nbs=4k\nrate=10m\n",
-            "line 3: rate=10m: option 'rate' is not supported (it would change the workload)",
+            "[j]\nbs=4k\nrate_min=10m\n",
+            "line 3: rate_min=10m: option 'rate_min' is not supported (it would change the workload)",
         ),
         (
             "[j]\nloops=3\n",

@@ -1,0 +1,402 @@
+//! One NBD connection in transmission, non-blocking.
+//!
+//! Sending: the send queue holds the slots that have pieces left to send, in order.
+//! `flush` gathers as many requests as one `sendmsg` takes (headers built on the spot,
+//! write payloads as iovecs pointing into the caller's buffers: nothing is copied), and
+//! keeps the place of a partial send (slot, piece, bytes sent) for the next call; when
+//! the socket is full, `EPOLLOUT` is watched until it drains.
+//!
+//! Receiving: a small buffer takes reply headers (many write replies arrive in one
+//! `recv`). A read reply's payload goes into the caller's iovecs: the bytes that came in
+//! the same `recv` as the header are copied from the buffer (at most [`RBUF`] bytes), the
+//! rest is read by `readv` straight into the iovecs, with the buffer as the last iovec to
+//! catch the next header in the same call.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::time::Instant;
+
+use super::slots::{scatter, segments, Slot};
+use super::wire::{self, REPLY_LEN, REQUEST_LEN};
+
+/// Receive buffer bytes: 64 reply headers.
+pub(crate) const RBUF: usize = 1024;
+/// Iovecs per `sendmsg` / `readv` (the kernel's `IOV_MAX`).
+pub(crate) const IOV_MAX: usize = 1024;
+/// Request headers per `sendmsg`.
+pub(crate) const HDRS_MAX: usize = 256;
+
+/// Where the receiver is in the byte stream.
+#[derive(Clone, Copy, Debug)]
+enum Rx {
+    Header,
+    Payload {
+        slot: u32,
+        piece: u32,
+        got: u64,
+        len: u64,
+    },
+}
+
+/// Why a connection is given up (logged; its operations are replayed elsewhere).
+pub(crate) type Broken = String;
+
+/// A connection's state.
+pub(crate) struct Conn {
+    pub fd: Option<OwnedFd>,
+    /// Slots with pieces left to send, oldest first.
+    pub sendq: std::collections::VecDeque<u32>,
+    /// Pieces sent whose reply has not come.
+    pub waiting: usize,
+    /// When bytes last arrived (or the connection last went from idle to waiting).
+    pub last_rx: Instant,
+    /// EPOLLOUT is being watched.
+    pub want_out: bool,
+    rx: Rx,
+    rbuf: Box<[u8; RBUF]>,
+    rhead: usize,
+    rtail: usize,
+}
+
+impl Conn {
+    pub(crate) fn new(depth: usize) -> Conn {
+        Conn {
+            fd: None,
+            sendq: std::collections::VecDeque::with_capacity(depth),
+            waiting: 0,
+            last_rx: Instant::now(),
+            want_out: false,
+            rx: Rx::Header,
+            rbuf: Box::new([0u8; RBUF]),
+            rhead: 0,
+            rtail: 0,
+        }
+    }
+
+    /// A fresh socket: the byte stream starts over.
+    pub(crate) fn attach(&mut self, fd: OwnedFd) {
+        self.fd = Some(fd);
+        self.waiting = 0;
+        self.want_out = false;
+        self.rx = Rx::Header;
+        self.rhead = 0;
+        self.rtail = 0;
+        self.last_rx = Instant::now();
+    }
+
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        self.fd.as_ref().map_or(-1, |f| f.as_raw_fd())
+    }
+
+    /// Sends what the socket takes. `Ok(true)` when the send queue is empty.
+    pub(crate) fn flush(
+        &mut self,
+        slots: &mut [Slot],
+        zero: &[u8],
+        iovs: &mut Vec<libc::iovec>,
+        hdrs: &mut Vec<[u8; REQUEST_LEN]>,
+    ) -> Result<bool, Broken> {
+        let fd = self.raw_fd();
+        while !self.sendq.is_empty() {
+            iovs.clear();
+            hdrs.clear();
+            let total = self.gather(slots, zero, iovs, hdrs);
+            // SAFETY: msghdr is plain data; all-zero is a valid empty message.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iovs.as_mut_ptr();
+            msg.msg_iovlen = iovs.len();
+            // SAFETY: the iovecs point into `hdrs` (not resized while they live: capacity
+            // HDRS_MAX is reserved up front and never exceeded), into the zero buffer, or
+            // into caller buffers lent under the push contract until completion.
+            let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::EINTR) => continue,
+                    Some(libc::EAGAIN) => return Ok(false),
+                    _ => return Err(format!("send failed: {e}")),
+                }
+            }
+            let n = n as u64;
+            self.advance(slots, n);
+            if n < total {
+                return Ok(self.sendq.is_empty());
+            }
+        }
+        Ok(true)
+    }
+
+    /// Builds the iovecs of the next requests to send; returns their bytes.
+    fn gather(
+        &self,
+        slots: &[Slot],
+        zero: &[u8],
+        iovs: &mut Vec<libc::iovec>,
+        hdrs: &mut Vec<[u8; REQUEST_LEN]>,
+    ) -> u64 {
+        let mut total = 0u64;
+        for (qi, &si) in self.sendq.iter().enumerate() {
+            let s = &slots[si as usize];
+            for p in s.next..s.pieces {
+                if hdrs.len() >= HDRS_MAX || iovs.len() + 2 > IOV_MAX {
+                    return total;
+                }
+                // Only the head piece can be partly sent.
+                let skip = if qi == 0 && p == s.next {
+                    u64::from(s.sent)
+                } else {
+                    0
+                };
+                hdrs.push(s.header(si, p));
+                let h = hdrs.last().map_or(std::ptr::null(), |h| h.as_ptr());
+                let hskip = skip.min(REQUEST_LEN as u64);
+                iovs.push(libc::iovec {
+                    // `hskip <= REQUEST_LEN`: inside (or one past) the header.
+                    iov_base: h.wrapping_add(hskip as usize) as *mut libc::c_void,
+                    iov_len: REQUEST_LEN - hskip as usize,
+                });
+                total += REQUEST_LEN as u64 - hskip;
+                let plen = s.payload(p);
+                if plen == 0 {
+                    continue;
+                }
+                let (start, _) = s.piece(p);
+                let pskip = skip.saturating_sub(REQUEST_LEN as u64);
+                let room = IOV_MAX - iovs.len();
+                let added = if s.iov.is_null() {
+                    iovs.push(libc::iovec {
+                        iov_base: zero.as_ptr() as *mut libc::c_void,
+                        iov_len: (plen - pskip) as usize,
+                    });
+                    plen - pskip
+                } else {
+                    // SAFETY: the slot's iovecs are valid under the push contract.
+                    unsafe { segments(s.iov, s.iovcnt, start + pskip, plen - pskip, iovs, room) }
+                };
+                total += added;
+                if added < plen - pskip {
+                    return total; // out of iovecs in the middle of this payload
+                }
+            }
+        }
+        total
+    }
+
+    /// Accounts `n` bytes sent.
+    fn advance(&mut self, slots: &mut [Slot], mut n: u64) {
+        while let Some(&si) = self.sendq.front() {
+            let s = &mut slots[si as usize];
+            let size = REQUEST_LEN as u64 + s.payload(s.next);
+            let left = size - u64::from(s.sent);
+            if n < left {
+                s.sent += n as u32;
+                return;
+            }
+            n -= left;
+            s.sent = 0;
+            s.next += 1;
+            if self.waiting == 0 {
+                self.last_rx = Instant::now();
+            }
+            self.waiting += 1;
+            if s.next == s.pieces {
+                self.sendq.pop_front();
+            }
+            if n == 0 {
+                return;
+            }
+        }
+    }
+
+    /// Reads every reply available. Slots whose last piece was answered are appended to
+    /// `finished`; `scratch` holds the `readv` iovecs.
+    pub(crate) fn receive(
+        &mut self,
+        me: u16,
+        slots: &mut [Slot],
+        finished: &mut Vec<u32>,
+        scratch: &mut Vec<libc::iovec>,
+        now: Instant,
+    ) -> Result<(), Broken> {
+        let fd = self.raw_fd();
+        loop {
+            match self.rx {
+                Rx::Header => {
+                    if self.rtail - self.rhead >= REPLY_LEN {
+                        let mut h = [0u8; REPLY_LEN];
+                        h.copy_from_slice(&self.rbuf[self.rhead..self.rhead + REPLY_LEN]);
+                        self.rhead += REPLY_LEN;
+                        self.header(me, &h, slots, finished)?;
+                        continue;
+                    }
+                    if self.rhead > 0 {
+                        self.rbuf.copy_within(self.rhead..self.rtail, 0);
+                        self.rtail -= self.rhead;
+                        self.rhead = 0;
+                    }
+                    let free = &mut self.rbuf[self.rtail..];
+                    // SAFETY: reads into the free tail of our own buffer.
+                    let n = unsafe {
+                        libc::recv(fd, free.as_mut_ptr().cast(), free.len(), libc::MSG_DONTWAIT)
+                    };
+                    match received(n)? {
+                        None => return Ok(()),
+                        Some(n) => {
+                            self.rtail += n;
+                            self.last_rx = now;
+                        }
+                    }
+                }
+                Rx::Payload {
+                    slot,
+                    piece,
+                    mut got,
+                    len,
+                } => {
+                    let s = slots[slot as usize];
+                    let base = s.piece(piece).0;
+                    let avail = self.rtail - self.rhead;
+                    if avail > 0 {
+                        let k = (avail as u64).min(len - got) as usize;
+                        // SAFETY: a read's iovecs are writable caller buffers (push
+                        // contract) covering the piece; `got + k <= len`.
+                        unsafe {
+                            scatter(
+                                s.iov,
+                                s.iovcnt,
+                                base + got,
+                                &self.rbuf[self.rhead..self.rhead + k],
+                            )
+                        };
+                        self.rhead += k;
+                        got += k as u64;
+                    } else {
+                        self.rhead = 0;
+                        self.rtail = 0;
+                        scratch.clear();
+                        // SAFETY: as above.
+                        unsafe {
+                            segments(s.iov, s.iovcnt, base + got, len - got, scratch, IOV_MAX - 1)
+                        };
+                        let want: u64 = scratch.iter().map(|v| v.iov_len as u64).sum();
+                        scratch.push(libc::iovec {
+                            iov_base: self.rbuf.as_mut_ptr().cast(),
+                            iov_len: RBUF,
+                        });
+                        // SAFETY: every iovec points into a writable caller buffer of the
+                        // read (push contract) or into our own receive buffer.
+                        let n = unsafe { libc::readv(fd, scratch.as_ptr(), scratch.len() as i32) };
+                        let Some(n) = received(n)? else {
+                            self.rx = Rx::Payload {
+                                slot,
+                                piece,
+                                got,
+                                len,
+                            };
+                            return Ok(());
+                        };
+                        self.last_rx = now;
+                        let k = (n as u64).min(want);
+                        got += k;
+                        self.rtail = n - k as usize;
+                    }
+                    if got == len {
+                        self.rx = Rx::Header;
+                        answer(&mut slots[slot as usize], slot, finished);
+                    } else {
+                        self.rx = Rx::Payload {
+                            slot,
+                            piece,
+                            got,
+                            len,
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Handles one reply header.
+    fn header(
+        &mut self,
+        me: u16,
+        h: &[u8; REPLY_LEN],
+        slots: &mut [Slot],
+        finished: &mut Vec<u32>,
+    ) -> Result<(), Broken> {
+        let r = wire::reply(h).map_err(|magic| {
+            if magic == wire::STRUCTURED_REPLY_MAGIC {
+                "the server sent a structured reply, which was not negotiated".to_owned()
+            } else {
+                format!(
+                    "reply magic {magic:#x}, expected {:#x}",
+                    wire::SIMPLE_REPLY_MAGIC
+                )
+            }
+        })?;
+        let (si, piece) = ((r.cookie & 0xffff_ffff) as u32, (r.cookie >> 32) as u32);
+        let s = slots
+            .get_mut(si as usize)
+            .filter(|s| s.busy && s.conn == me && piece < s.next && s.answered < s.pieces)
+            .ok_or_else(|| format!("reply with cookie {:#x}, which is not in flight", r.cookie))?;
+        self.waiting = self.waiting.saturating_sub(1);
+        if r.error == wire::NBD_ESHUTDOWN {
+            return Err("the server is shutting down (ESHUTDOWN)".into());
+        }
+        if r.error != 0 {
+            if s.error == 0 {
+                s.error = wire::errno_of(r.error);
+            }
+        } else {
+            let len = s.reply_payload(piece);
+            if len > 0 {
+                self.rx = Rx::Payload {
+                    slot: si,
+                    piece,
+                    got: 0,
+                    len,
+                };
+                return Ok(());
+            }
+        }
+        answer(s, si, finished);
+        Ok(())
+    }
+}
+
+/// Counts a piece answered.
+fn answer(s: &mut Slot, si: u32, finished: &mut Vec<u32>) {
+    s.answered += 1;
+    if s.answered == s.pieces {
+        finished.push(si);
+    }
+}
+
+/// A `recv`/`readv` result: `Ok(None)` when nothing is there yet.
+fn received(n: isize) -> Result<Option<usize>, Broken> {
+    if n > 0 {
+        return Ok(Some(n as usize));
+    }
+    if n == 0 {
+        return Err("the server closed the connection".into());
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(None),
+        _ => Err(format!("receive failed: {e}")),
+    }
+}
+
+/// Sends `NBD_CMD_DISC` (best effort) on a connection in transmission.
+pub(crate) fn disconnect(fd: &OwnedFd) {
+    let h = wire::request(0, wire::CMD_DISC, 0, 0, 0);
+    // SAFETY: sends from a live local buffer.
+    unsafe {
+        libc::send(
+            fd.as_raw_fd(),
+            h.as_ptr().cast(),
+            h.len(),
+            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+        )
+    };
+}

@@ -1,0 +1,309 @@
+//! Connecting and the fixed newstyle handshake, blocking with a time limit: `NBD_OPT_GO`
+//! asking for `NBD_INFO_BLOCK_SIZE`, falling back to `NBD_OPT_EXPORT_NAME` when the server
+//! does not know GO (or is not fixed newstyle). An unknown export is named with the
+//! server's list of exports (`NBD_OPT_LIST`). Only simple replies are negotiated.
+
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use super::wire::*;
+use super::{NbdAddr, NbdError, NbdSpec};
+
+/// What the handshake learnt about the export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportInfo {
+    /// Size in bytes.
+    pub size: u64,
+    /// Transmission flags (`NBD_FLAG_*`).
+    pub flags: u16,
+    /// Minimum block size (1 when the server states none).
+    pub min_block: u32,
+    /// Preferred block size (4096 when the server states none).
+    pub pref_block: u32,
+    /// Largest payload of a request (32 MiB when the server states none).
+    pub max_payload: u32,
+}
+
+impl ExportInfo {
+    /// Whether the server sets transmission flag `f`.
+    pub fn has(&self, f: u16) -> bool {
+        self.flags & FLAG_HAS_FLAGS != 0 && self.flags & f != 0
+    }
+}
+
+/// Connects to the server and negotiates `spec`'s export; the socket comes back blocking,
+/// with `limit` as its read and write timeouts.
+pub(crate) fn connect(spec: &NbdSpec, limit: Duration) -> Result<(OwnedFd, ExportInfo), NbdError> {
+    let connect_err = |source| NbdError::Connect { source };
+    let fd: OwnedFd = match &spec.addr {
+        NbdAddr::Unix(path) => {
+            let s = UnixStream::connect(path).map_err(connect_err)?;
+            s.set_read_timeout(Some(limit)).map_err(connect_err)?;
+            s.set_write_timeout(Some(limit)).map_err(connect_err)?;
+            s.into()
+        }
+        NbdAddr::Tcp { host, port } => {
+            let addrs = (host.as_str(), *port)
+                .to_socket_addrs()
+                .map_err(connect_err)?;
+            let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
+            let mut found = None;
+            for a in addrs {
+                match TcpStream::connect_timeout(&a, limit) {
+                    Ok(s) => {
+                        found = Some(s);
+                        break;
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            let s = found.ok_or_else(|| connect_err(last))?;
+            s.set_nodelay(true).map_err(connect_err)?;
+            s.set_read_timeout(Some(limit)).map_err(connect_err)?;
+            s.set_write_timeout(Some(limit)).map_err(connect_err)?;
+            s.into()
+        }
+    };
+    let mut f = File::from(fd);
+    let info = negotiate(&mut f, &spec.export)?;
+    Ok((f.into(), info))
+}
+
+/// Reads exactly `buf.len()` bytes; an early end is `Closed`.
+fn read_all(f: &mut impl Read, buf: &mut [u8], during: &'static str) -> Result<(), NbdError> {
+    f.read_exact(buf).map_err(|e| match e.kind() {
+        io::ErrorKind::UnexpectedEof => NbdError::Closed { during },
+        _ => NbdError::Io { during, source: e },
+    })
+}
+
+fn read_u64(f: &mut impl Read, during: &'static str) -> Result<u64, NbdError> {
+    let mut b = [0u8; 8];
+    read_all(f, &mut b, during)?;
+    Ok(u64::from_be_bytes(b))
+}
+
+fn read_u32(f: &mut impl Read, during: &'static str) -> Result<u32, NbdError> {
+    let mut b = [0u8; 4];
+    read_all(f, &mut b, during)?;
+    Ok(u32::from_be_bytes(b))
+}
+
+fn read_u16(f: &mut impl Read, during: &'static str) -> Result<u16, NbdError> {
+    let mut b = [0u8; 2];
+    read_all(f, &mut b, during)?;
+    Ok(u16::from_be_bytes(b))
+}
+
+fn send(f: &mut impl Write, buf: &[u8], during: &'static str) -> Result<(), NbdError> {
+    f.write_all(buf)
+        .map_err(|source| NbdError::Io { during, source })
+}
+
+fn send_option(f: &mut impl Write, opt: u32, data: &[u8]) -> Result<(), NbdError> {
+    let mut b = Vec::with_capacity(16 + data.len());
+    b.extend_from_slice(&OPTS_MAGIC.to_be_bytes());
+    b.extend_from_slice(&opt.to_be_bytes());
+    b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    b.extend_from_slice(data);
+    send(f, &b, "option")
+}
+
+/// One option reply: its type and data (at most 64 KiB kept).
+fn option_reply(f: &mut impl Read, opt: u32) -> Result<(u32, Vec<u8>), NbdError> {
+    const DURING: &str = "option reply";
+    let magic = read_u64(f, DURING)?;
+    if magic != REP_MAGIC {
+        return Err(NbdError::Protocol(format!(
+            "option reply magic {magic:#x}, expected {REP_MAGIC:#x}"
+        )));
+    }
+    let got = read_u32(f, DURING)?;
+    if got != opt {
+        return Err(NbdError::Protocol(format!(
+            "reply for option {got} while option {opt} was asked"
+        )));
+    }
+    let rep = read_u32(f, DURING)?;
+    let len = read_u32(f, DURING)? as usize;
+    if len > 1 << 16 {
+        return Err(NbdError::Protocol(format!(
+            "option reply of {len} bytes (at most 65536 expected)"
+        )));
+    }
+    let mut data = vec![0u8; len];
+    read_all(f, &mut data, DURING)?;
+    Ok((rep, data))
+}
+
+/// The newstyle handshake on a connected socket.
+pub(crate) fn negotiate<S: Read + Write>(f: &mut S, export: &str) -> Result<ExportInfo, NbdError> {
+    const DURING: &str = "greeting";
+    let magic = read_u64(f, DURING)?;
+    if magic != INIT_MAGIC {
+        return Err(NbdError::Protocol(format!(
+            "greeting magic {magic:#x}, expected NBDMAGIC ({INIT_MAGIC:#x}): not an NBD server?"
+        )));
+    }
+    let magic = read_u64(f, DURING)?;
+    if magic == OLDSTYLE_MAGIC {
+        return Err(NbdError::Protocol(
+            "the server speaks the oldstyle handshake, which vblk does not".into(),
+        ));
+    }
+    if magic != OPTS_MAGIC {
+        return Err(NbdError::Protocol(format!(
+            "newstyle magic {magic:#x}, expected IHAVEOPT ({OPTS_MAGIC:#x})"
+        )));
+    }
+    let hflags = read_u16(f, DURING)?;
+    let fixed = hflags & FLAG_FIXED_NEWSTYLE != 0;
+    let no_zeroes = hflags & FLAG_NO_ZEROES != 0;
+    let mut cflags = 0u32;
+    if fixed {
+        cflags |= FLAG_C_FIXED_NEWSTYLE;
+    }
+    if no_zeroes {
+        cflags |= FLAG_C_NO_ZEROES;
+    }
+    send(f, &cflags.to_be_bytes(), DURING)?;
+    if fixed {
+        if let Some(info) = go(f, export)? {
+            return Ok(info);
+        }
+    }
+    export_name(f, export, no_zeroes)
+}
+
+/// `NBD_OPT_GO`; `None` when the server does not support it.
+fn go<S: Read + Write>(f: &mut S, export: &str) -> Result<Option<ExportInfo>, NbdError> {
+    let name = export.as_bytes();
+    if name.len() > 4096 {
+        return Err(NbdError::Protocol(format!(
+            "export name of {} bytes (NBD allows 4096)",
+            name.len()
+        )));
+    }
+    let mut data = Vec::with_capacity(8 + name.len());
+    data.extend_from_slice(&(name.len() as u32).to_be_bytes());
+    data.extend_from_slice(name);
+    data.extend_from_slice(&1u16.to_be_bytes());
+    data.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+    send_option(f, OPT_GO, &data)?;
+    let mut size_flags = None;
+    let mut block = None;
+    loop {
+        let (rep, data) = option_reply(f, OPT_GO)?;
+        match rep {
+            REP_ACK => break,
+            REP_INFO if data.len() >= 2 => {
+                let kind = u16::from_be_bytes([data[0], data[1]]);
+                match kind {
+                    INFO_EXPORT if data.len() == 12 => {
+                        let size = u64::from_be_bytes(data[2..10].try_into().unwrap_or([0; 8]));
+                        let flags = u16::from_be_bytes([data[10], data[11]]);
+                        size_flags = Some((size, flags));
+                    }
+                    INFO_BLOCK_SIZE if data.len() == 14 => {
+                        let at = |i: usize| {
+                            u32::from_be_bytes([data[i], data[i + 1], data[i + 2], data[i + 3]])
+                        };
+                        block = Some((at(2), at(6), at(10)));
+                    }
+                    INFO_EXPORT | INFO_BLOCK_SIZE => {
+                        return Err(NbdError::Protocol(format!(
+                            "NBD_REP_INFO type {kind} of {} bytes",
+                            data.len()
+                        )))
+                    }
+                    _ => {}
+                }
+            }
+            REP_INFO => {
+                return Err(NbdError::Protocol("empty NBD_REP_INFO".into()));
+            }
+            REP_ERR_UNSUP => return Ok(None),
+            REP_ERR_UNKNOWN => {
+                let exports = list(f).unwrap_or_default();
+                let _ = send_option(f, OPT_ABORT, &[]);
+                return Err(NbdError::NoExport {
+                    name: export.to_owned(),
+                    exports,
+                });
+            }
+            rep if rep & REP_FLAG_ERROR != 0 => {
+                let _ = send_option(f, OPT_ABORT, &[]);
+                return Err(NbdError::Refused {
+                    option: "NBD_OPT_GO",
+                    reply: rep_name(rep),
+                    message: String::from_utf8_lossy(&data).into_owned(),
+                });
+            }
+            other => {
+                return Err(NbdError::Protocol(format!(
+                    "unexpected reply type {other:#x} to NBD_OPT_GO"
+                )))
+            }
+        }
+    }
+    let (size, flags) = size_flags.ok_or_else(|| {
+        NbdError::Protocol("NBD_OPT_GO acknowledged without NBD_INFO_EXPORT".into())
+    })?;
+    let (min_block, pref_block, max_payload) = match block {
+        Some((min, pref, max)) => (min, pref, max),
+        None => (1, 4096, DEFAULT_MAX_PAYLOAD),
+    };
+    Ok(Some(ExportInfo {
+        size,
+        flags,
+        min_block,
+        pref_block,
+        max_payload,
+    }))
+}
+
+/// `NBD_OPT_LIST`: the names of the server's exports.
+fn list<S: Read + Write>(f: &mut S) -> Result<Vec<String>, NbdError> {
+    send_option(f, OPT_LIST, &[])?;
+    let mut names = Vec::new();
+    loop {
+        let (rep, data) = option_reply(f, OPT_LIST)?;
+        match rep {
+            REP_SERVER if data.len() >= 4 => {
+                let n = u32::from_be_bytes([data[0], data[1], data[2], data[3]]) as usize;
+                let name = data.get(4..4 + n).unwrap_or_default();
+                names.push(String::from_utf8_lossy(name).into_owned());
+            }
+            REP_ACK => return Ok(names),
+            _ => return Ok(names),
+        }
+    }
+}
+
+/// `NBD_OPT_EXPORT_NAME`: the old way; a server that has no such export just hangs up.
+fn export_name<S: Read + Write>(
+    f: &mut S,
+    export: &str,
+    no_zeroes: bool,
+) -> Result<ExportInfo, NbdError> {
+    send_option(f, OPT_EXPORT_NAME, export.as_bytes())?;
+    let during =
+        "NBD_OPT_EXPORT_NAME (the server closes the connection when it has no such export)";
+    let size = read_u64(f, during)?;
+    let flags = read_u16(f, during)?;
+    if !no_zeroes {
+        let mut zeroes = [0u8; 124];
+        read_all(f, &mut zeroes, during)?;
+    }
+    Ok(ExportInfo {
+        size,
+        flags,
+        min_block: 1,
+        pref_block: 4096,
+        max_payload: DEFAULT_MAX_PAYLOAD,
+    })
+}

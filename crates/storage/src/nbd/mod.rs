@@ -1,0 +1,260 @@
+//! NBD: disks that live on a Network Block Device server (nbdkit, qemu-nbd, rbd-nbd, …),
+//! through a client of our own.
+//!
+//! | module | holds |
+//! | --- | --- |
+//! | `uri` | [`NbdSpec`]: `nbd://HOST[:PORT]/EXPORT` and `nbd+unix:///EXPORT?socket=PATH` |
+//! | `wire` | magics, flags, commands, the request header and the simple reply |
+//! | `handshake` | connecting, and the fixed newstyle handshake (`NBD_OPT_GO`, falling back to `NBD_OPT_EXPORT_NAME`), blocking with a time limit |
+//! | `slots` | one operation in flight: its pieces (requests of at most the server's largest payload) and their geometry over the caller's iovecs |
+//! | `conn` | one connection in transmission: the send queue (`sendmsg` gathering headers and write payloads straight from the iovecs), the receive state machine (`readv` scattering read payloads straight into the iovecs), timeouts |
+//! | `sys` | the engine's epoll set, timerfd and non-blocking sockets |
+//! | `engine` | the [`Engine`](crate::Engine): slots, cookies, connections, reconnect and replay, the notify fd |
+//!
+//! [`Backend::open`](crate::Backend::open) connects once to learn the export (size, flags,
+//! block sizes) and hangs up; each engine then opens its own connection (several when the
+//! server offers `NBD_FLAG_CAN_MULTI_CONN` and [`NbdOptions::conns`] asks), so no lock is
+//! shared between device workers.
+
+mod conn;
+mod engine;
+mod handshake;
+mod slots;
+mod sys;
+mod uri;
+mod wire;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+pub(crate) use engine::NbdEngine;
+pub use handshake::ExportInfo;
+pub use uri::{NbdAddr, NbdSpec, DEFAULT_PORT};
+
+use crate::error::Error;
+use crate::spec::SECTOR_SIZE;
+
+/// How an NBD disk behaves when its server goes away or falls silent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NbdOptions {
+    /// After a connection breaks, how long to keep reconnecting (and holding the
+    /// operations in flight, to replay them) before failing them with `EIO`.
+    pub reconnect: Duration,
+    /// A request with no reply (and no byte received) for this long means the connection
+    /// is dead; it is also the limit of one connection attempt and handshake.
+    pub timeout: Duration,
+    /// Connections per engine when the server offers multi-conn (1 otherwise).
+    pub conns: u32,
+}
+
+impl Default for NbdOptions {
+    fn default() -> Self {
+        NbdOptions {
+            reconnect: Duration::from_secs(30),
+            timeout: Duration::from_secs(30),
+            conns: 1,
+        }
+    }
+}
+
+/// What went wrong talking to an NBD server; [`Error::Nbd`] carries it with the URI.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NbdError {
+    /// The URI does not follow the NBD URI grammar.
+    #[error("not a usable NBD URI: {0}")]
+    Uri(String),
+    /// The server could not be reached.
+    #[error("cannot connect: {source}")]
+    Connect {
+        /// What `connect(2)` or the name lookup said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Reading or writing the socket failed (a timeout included).
+    #[error("{during}: {source}")]
+    Io {
+        /// The step of the handshake.
+        during: &'static str,
+        /// What the socket said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The server hung up.
+    #[error("the server closed the connection during {during}")]
+    Closed {
+        /// The step of the handshake.
+        during: &'static str,
+    },
+    /// The server broke the protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// No export of that name.
+    #[error(
+        "server offers no export named '{name}' (exports: {})",
+        list_names(exports)
+    )]
+    NoExport {
+        /// The name asked for.
+        name: String,
+        /// What the server lists.
+        exports: Vec<String>,
+    },
+    /// The server refused an option.
+    #[error("server refused {option}: {reply}{}", if message.is_empty() { String::new() } else { format!(": {message}") })]
+    Refused {
+        /// The option.
+        option: &'static str,
+        /// The error reply's name.
+        reply: String,
+        /// The server's message.
+        message: String,
+    },
+    /// A read-only export opened for writing.
+    #[error(
+        "the export is read-only (the server sets NBD_FLAG_READ_ONLY); serve it with --read-only"
+    )]
+    ReadOnly,
+    /// The export's size is not a whole number of blocks.
+    #[error("export size {size} is not a multiple of {block}")]
+    Unaligned {
+        /// Bytes.
+        size: u64,
+        /// The block size.
+        block: u32,
+    },
+    /// Block size constraints vblk cannot honour.
+    #[error("unusable block size constraints: minimum {min}, preferred {pref}, maximum {max} (expected a power-of-two minimum up to 65536 and a maximum of at least {need})")]
+    BlockSize {
+        /// Minimum.
+        min: u32,
+        /// Preferred.
+        pref: u32,
+        /// Maximum.
+        max: u32,
+        /// The smallest maximum usable.
+        need: u32,
+    },
+    /// A second connection for writing to a server without multi-conn.
+    #[error("the server does not offer multi-conn (NBD_FLAG_CAN_MULTI_CONN), so a flush on one connection would not cover writes on another: serve it writable with one worker (--threads 1), or read-only")]
+    NoMultiConn,
+}
+
+fn list_names(names: &[String]) -> String {
+    if names.is_empty() {
+        return "none listed".into();
+    }
+    names
+        .iter()
+        .map(|n| {
+            if n.is_empty() {
+                "'' (default)".to_owned()
+            } else {
+                n.clone()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// An opened NBD export, held by its [`Backend`](crate::Backend).
+#[derive(Debug)]
+pub(crate) struct Export {
+    pub spec: NbdSpec,
+    pub info: ExportInfo,
+    pub opts: NbdOptions,
+    pub read_only: bool,
+    /// The logical block size: the server's minimum block size, at least 512.
+    pub block: u32,
+    /// The largest payload of one request (a multiple of `block`).
+    pub max_payload: u32,
+    /// Writable engines alive (a server without multi-conn gets one).
+    writers: AtomicUsize,
+}
+
+impl Export {
+    /// Connects once to learn what the export is, and checks that vblk can serve it.
+    pub(crate) fn open(spec: &NbdSpec, read_only: bool, opts: NbdOptions) -> Result<Export, Error> {
+        let fail = |source| Error::Nbd {
+            uri: spec.to_string(),
+            source,
+        };
+        let (fd, info) = handshake::connect(spec, opts.timeout).map_err(fail)?;
+        conn::disconnect(&fd);
+        drop(fd);
+        let export_ro = info.has(wire::FLAG_READ_ONLY);
+        if export_ro && !read_only {
+            return Err(fail(NbdError::ReadOnly));
+        }
+        let (min, pref, max) = (info.min_block, info.pref_block, info.max_payload);
+        let block = min.max(SECTOR_SIZE as u32);
+        let max_payload = (max.min(wire::DEFAULT_MAX_PAYLOAD) / block) * block;
+        if !min.is_power_of_two() || min > 65536 || max_payload < block {
+            return Err(fail(NbdError::BlockSize {
+                min,
+                pref,
+                max,
+                need: block,
+            }));
+        }
+        if !info.size.is_multiple_of(u64::from(block)) || info.size == 0 {
+            return Err(fail(NbdError::Unaligned {
+                size: info.size,
+                block,
+            }));
+        }
+        Ok(Export {
+            spec: spec.clone(),
+            info,
+            opts,
+            read_only,
+            block,
+            max_payload,
+            writers: AtomicUsize::new(0),
+        })
+    }
+
+    /// Whether the server sets transmission flag `f`.
+    pub(crate) fn has(&self, f: u16) -> bool {
+        self.info.has(f)
+    }
+
+    /// Whether the server takes NBD_CMD_TRIM.
+    pub(crate) fn can_trim(&self) -> bool {
+        self.has(wire::FLAG_SEND_TRIM)
+    }
+
+    /// Connections each engine opens.
+    pub(crate) fn conns(&self) -> usize {
+        if self.has(wire::FLAG_CAN_MULTI_CONN) {
+            self.opts.conns.clamp(1, 64) as usize
+        } else {
+            1
+        }
+    }
+
+    /// Registers a new engine; a second writer on a server without multi-conn is refused.
+    pub(crate) fn add_engine(&self) -> Result<(), Error> {
+        if self.read_only || self.has(wire::FLAG_CAN_MULTI_CONN) {
+            return Ok(());
+        }
+        if self
+            .writers
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return Err(Error::Nbd {
+                uri: self.spec.to_string(),
+                source: NbdError::NoMultiConn,
+            });
+        }
+        Ok(())
+    }
+
+    /// An engine registered with `add_engine` is gone.
+    pub(crate) fn remove_engine(&self) {
+        if !self.read_only && !self.has(wire::FLAG_CAN_MULTI_CONN) {
+            self.writers.store(0, Ordering::Release);
+        }
+    }
+}
