@@ -41,7 +41,9 @@ cat "$IMG" > /dev/null
 run bench $J $R --iodepth=32 --disk "$IMG" --cache writeback --compare submit_batch=0,1,4 --repeat "$REPEAT"
 
 echo; echo "## engines on an O_DIRECT file"
-run bench $J $R --iodepth=32 --disk "$IMG" --cache none --compare engine=io_uring,sync --repeat "$REPEAT"
+run bench $J $R --iodepth=32 --disk "$IMG" --cache none --compare engine=io_uring,aio,threads,sync --repeat "$REPEAT"
+run bench $J $R --iodepth=1 --disk "$IMG" --cache none --compare engine=io_uring,aio,threads,sync --repeat "$REPEAT"
+run bench $J $R --iodepth=32 --disk "$IMG" --cache none --engine threads --compare engine_threads=4,16,32 --repeat "$REPEAT"
 
 echo; echo "## vblk serve vs qemu-storage-daemon"
 bash bench/devices.sh "$REPEAT" "$RUNTIME"

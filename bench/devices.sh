@@ -2,23 +2,34 @@
 # vblk's device against qemu-storage-daemon, measured the same way: the same driver (vblk
 # bench), the same cores (devices pinned to CPU 1, the benchmark to CPU 0), the same disk,
 # side by side in one `vblk bench --compare socket=...` run per table, each variant
-# repeated. The column to read for efficiency is "dev IOPS/CPU-s" (its inverse is the
-# device's CPU time per I/O).
+# repeated (the variants take turns, so drift on a shared machine falls on all alike).
+# The columns to read for efficiency are "dev IOPS/CPU-s" (its inverse is the device's CPU
+# time per I/O) and "dev CPU" (the device's CPU time per second, % of one CPU: the figure
+# for the paced and idle tables). Each table's header has the load average at its start.
+# Device CPU comes from /proc/PID/stat in 10 ms ticks: over 5 s, 0.2 % resolution.
 #
 #   bash bench/devices.sh [REPEAT] [RUNTIME_S] [TABLES]
 #
-# Devices (4 per table):
-#   vblk            vblk serve with its defaults (adaptive polling up to 200 µs)
+# Devices (all pinned to CPU 1; the null tables compare the first four):
+#   vblk            vblk serve with its defaults (adaptive polling up to 200 µs, and only
+#                   while it pays for itself: docs/design-notes.md)
 #   vblk-poll0      vblk serve --poll-us 0 (never spins)
+#   vblk-aio        file tables: vblk serve --engine aio (Linux AIO)
 #   qsd             qemu-storage-daemon, export in the main loop (no IOThread)
 #   qsd-iothread    qemu-storage-daemon, export in an IOThread (--object iothread;
 #                   QEMU polls there: poll-max-ns defaults to 32 µs)
-# Tables (TABLES picks a subset, e.g. "null-rate file-qd32"):
+#   qsd-native, qsd-io_uring, qsd-threads   file tables: aio=native, io_uring, threads
+# Tables (TABLES picks a subset, e.g. "null-100k file-qd32"):
 #   null-qd1, null-qd32                 null disk, 4 KiB random reads, at saturation
 #   null-100k, null-500k                null disk, QD32, 100 k and 500 k IOPS offered
-#   idle                                an attached driver doing 10 I/Os per second
-#   file-qd1, file-qd32                 O_DIRECT file on the host's disk; vblk io_uring vs
+#   idle                                an attached driver doing 10 I/Os per second: the
+#                                       device's CPU while its guest is idle
+#   file-qd1, file-qd32                 O_DIRECT file on the host's disk; vblk io_uring
+#                                       (default and --poll-us 0) and aio vs
 #                                       qemu-storage-daemon aio=native, io_uring, threads
+#                                       and io_uring in an IOThread (file-qd1's dev CPU is
+#                                       the slow-disk check: polling must not burn a core
+#                                       waiting for the disk)
 #   file-baseline                       the same file through io_uring with no virtio
 # Needs qemu-storage-daemon (Debian: qemu-system-common) and taskset (util-linux).
 set -euo pipefail
@@ -70,7 +81,7 @@ sock() { local v="PID_${1//-/_}"; echo "$D/$1.sock@${!v}"; }
 bench() { # TITLE ARGS... (compare key last)
   local title=$1; shift
   echo
-  echo "== $title"
+  echo "== $title (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
   echo "\$ vblk bench $*"
   taskset -c 0 "$V" --log-level warn bench --name "${title%% *}" --bs=4k --rw=randread \
     --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g --repeat "$REPEAT" "$@"
@@ -99,17 +110,18 @@ fi
 if want file-qd1 || want file-qd32 || want file-baseline; then
   vblk vblk "$IMG" --cache none
   vblk vblk-poll0 "$IMG" --cache none --poll-us 0
+  vblk vblk-aio "$IMG" --cache none --engine aio
   qsd qsd-native "driver=file,filename=$IMG,cache.direct=on,aio=native"
   qsd qsd-io_uring "driver=file,filename=$IMG,cache.direct=on,aio=io_uring"
   qsd qsd-threads "driver=file,filename=$IMG,cache.direct=on,aio=threads"
   qsd qsd-iothread "driver=file,filename=$IMG,cache.direct=on,aio=io_uring" iothread
-  FILES="socket=$(sock vblk),$(sock vblk-poll0),$(sock qsd-native),$(sock qsd-io_uring),$(sock qsd-threads),$(sock qsd-iothread)"
+  FILES="socket=$(sock vblk),$(sock vblk-poll0),$(sock vblk-aio),$(sock qsd-native),$(sock qsd-io_uring),$(sock qsd-threads),$(sock qsd-iothread)"
   want file-qd1 && bench "file-qd1: O_DIRECT file, QD1" --iodepth=1 --compare "$FILES"
   want file-qd32 && bench "file-qd32: O_DIRECT file, QD32" --iodepth=32 --compare "$FILES"
   stop_all
   if want file-baseline; then
     echo
-    echo "== file-baseline: the same file and job with no virtio (io_uring on the file), QD32"
+    echo "== file-baseline: the same file and job with no virtio (io_uring on the file), QD32 (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
     taskset -c 0 "$V" --log-level warn bench --name baseline --bs=4k --rw=randread --iodepth=32 \
       --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g --repeat "$REPEAT" \
       --disk "$IMG" --cache none --compare target=embedded,baseline

@@ -108,6 +108,12 @@ pub fn apply_variant(
                 .parse()
                 .map_err(|e: storage::Error| bad(&e.to_string()))?
         }
+        ("engine_threads", TargetSpec::Embedded(c)) => {
+            c.engine_threads = value.parse().map_err(|_| bad("not a number"))?
+        }
+        ("engine_threads", TargetSpec::Baseline { engine_threads, .. }) => {
+            *engine_threads = value.parse().map_err(|_| bad("not a number"))?
+        }
         ("poll_us", TargetSpec::Embedded(c)) => {
             c.poll_us = value.parse().map_err(|_| bad("not a number"))?
         }
@@ -152,7 +158,10 @@ pub fn apply_variant(
                 device_pid: pid,
             };
         }
-        ("engine" | "poll_us" | "threads" | "submit_batch" | "disk" | "cache", _) => {
+        (
+            "engine" | "engine_threads" | "poll_us" | "threads" | "submit_batch" | "disk" | "cache",
+            _,
+        ) => {
             return Err(bad(
                 "this option applies to the embedded device or the baseline only",
             ))
@@ -169,13 +178,14 @@ pub fn apply_variant(
 
 /// `target=embedded|baseline`, keeping the disk and engine.
 fn switch_target(t: &TargetSpec, to: &str) -> Result<TargetSpec, String> {
-    let (disk, engine, cache) = match t {
-        TargetSpec::Embedded(c) => (c.disk.clone(), c.engine, c.cache),
+    let (disk, engine, cache, engine_threads) = match t {
+        TargetSpec::Embedded(c) => (c.disk.clone(), c.engine, c.cache, c.engine_threads),
         TargetSpec::Baseline {
             disk,
             engine,
             cache,
-        } => (disk.clone(), *engine, *cache),
+            engine_threads,
+        } => (disk.clone(), *engine, *cache, *engine_threads),
         TargetSpec::Socket { .. } => return Err("cannot switch away from --socket".into()),
     };
     match to {
@@ -183,12 +193,14 @@ fn switch_target(t: &TargetSpec, to: &str) -> Result<TargetSpec, String> {
             disk,
             engine,
             cache,
+            engine_threads,
             ..embedded_defaults()
         })),
         "baseline" => Ok(TargetSpec::Baseline {
             disk,
             engine,
             cache,
+            engine_threads,
         }),
         _ => Err("expected embedded or baseline".into()),
     }
@@ -587,7 +599,25 @@ mod tests {
             disk: DiskSpec::Mem(1 << 20),
             engine: EngineKind::Sync,
             cache: CacheMode::Writeback,
+            engine_threads: 16,
         };
+        for engine in ["io_uring", "aio", "threads", "sync"] {
+            apply_variant("engine", engine, &mut jobs, &mut t, &mut r).unwrap();
+            assert!(
+                matches!(&t, TargetSpec::Baseline { engine: e, .. } if e.to_string() == engine)
+            );
+        }
+        apply_variant("engine-threads", "4", &mut jobs, &mut t, &mut r).unwrap();
+        assert!(matches!(
+            &t,
+            TargetSpec::Baseline {
+                engine_threads: 4,
+                ..
+            }
+        ));
+        let mut e = TargetSpec::Embedded(embedded_defaults());
+        apply_variant("engine_threads", "32", &mut jobs, &mut e, &mut r).unwrap();
+        assert!(matches!(&e, TargetSpec::Embedded(c) if c.engine_threads == 32));
         let e = apply_variant("poll_us", "7", &mut jobs, &mut t, &mut r).unwrap_err();
         assert!(e.contains("embedded device"), "{e}");
         assert!(apply_variant("path", "elevator", &mut jobs, &mut t, &mut r).is_err());

@@ -298,7 +298,7 @@ pub fn compare_text(rows: &[Row]) -> String {
         .max(24);
     let _ = writeln!(
         out,
-        "{:<w$} {:>20} {:>7} {:>12} {:>10} {:>10} {:>14} {:>14}",
+        "{:<w$} {:>20} {:>7} {:>12} {:>10} {:>10} {:>14} {:>14} {:>8}",
         "variant",
         "IOPS (mean ± sd)",
         "ratio",
@@ -306,7 +306,8 @@ pub fn compare_text(rows: &[Row]) -> String {
         "clat p50",
         "clat p99",
         "drv IOPS/CPU-s",
-        "dev IOPS/CPU-s"
+        "dev IOPS/CPU-s",
+        "dev CPU"
     );
     for r in rows {
         let (m, sd) = r.iops();
@@ -314,15 +315,26 @@ pub fn compare_text(rows: &[Row]) -> String {
         let (p50, _) = r.series(|j| merged_clat(j).percentile(50.0) as f64 / 1e3);
         let (p99, _) = r.series(|j| merged_clat(j).percentile(99.0) as f64 / 1e3);
         let (drv, _) = r.series(|j| j.driver_iops_per_cpu_sec());
-        let dev = if r.runs.iter().all(|j| j.device_cpu.is_some()) {
+        let measured = r.runs.iter().all(|j| j.device_cpu.is_some());
+        let dev = if measured {
             human(r.series(|j| j.device_iops_per_cpu_sec().unwrap_or(0.0)).0)
+        } else {
+            "-".into()
+        };
+        // The device's CPU time per second of the window, in % of one CPU: what an idle or
+        // a paced device costs the host whatever its I/O rate.
+        let dev_cpu = if measured {
+            format!(
+                "{:.1}%",
+                100.0 * r.series(|j| j.device_cpu_share().unwrap_or(0.0)).0
+            )
         } else {
             "-".into()
         };
         let ratio = if base > 0.0 { m / base } else { 0.0 };
         let _ = writeln!(
             out,
-            "{:<w$} {:>20} {:>7.2} {:>12.1} {:>8.1}µs {:>8.1}µs {:>14} {:>14}",
+            "{:<w$} {:>20} {:>7.2} {:>12.1} {:>8.1}µs {:>8.1}µs {:>14} {:>14} {:>8}",
             r.label,
             format!("{} ± {}", human(m), human(sd)),
             ratio,
@@ -330,7 +342,8 @@ pub fn compare_text(rows: &[Row]) -> String {
             p50,
             p99,
             human(drv),
-            dev
+            dev,
+            dev_cpu
         );
     }
     out
@@ -355,6 +368,8 @@ pub fn compare_json(rows: &[Row]) -> Value {
                     "iops_mean": m,
                     "iops_stddev": sd,
                     "ratio": if base > 0.0 { m / base } else { 0.0 },
+                    "device_cpu_share": r.runs.iter().all(|j| j.device_cpu.is_some())
+                        .then(|| r.series(|j| j.device_cpu_share().unwrap_or(0.0)).0),
                     "runs": r.runs.iter().map(json_report).collect::<Vec<_>>(),
                 })
             })

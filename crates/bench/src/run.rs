@@ -179,6 +179,15 @@ impl JobReport {
         per_sec(t.read.ios + t.write.ios, self.driver_cpu().total())
     }
 
+    /// The device side's CPU time over the measured window, in CPUs (0.25: a quarter of
+    /// one CPU; 1.0: one CPU busy all the time), when it was measured.
+    pub fn device_cpu_share(&self) -> Option<f64> {
+        let runtime = self.total().runtime;
+        self.device_cpu
+            .filter(|_| !runtime.is_zero())
+            .map(|c| c.total().as_secs_f64() / runtime.as_secs_f64())
+    }
+
     /// I/Os per CPU-second on the device side.
     pub fn device_iops_per_cpu_sec(&self) -> Option<f64> {
         let t = self.total();

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use device::DeviceConfig;
 use driver::{Disk, DiskOptions, PathKind, QueueOptions, RequestOptions};
-use storage::{Backend, CacheMode, DiskSpec, EngineKind, OpenOptions};
+use storage::{Backend, CacheMode, DiskSpec, EngineKind, OpenOptions, POOL_THREAD_PREFIX};
 
 use crate::lane::{DriverLane, EngineLane, Lane, PassthruLane};
 use crate::stats::ThreadSample;
@@ -34,6 +34,8 @@ pub enum TargetSpec {
         engine: EngineKind,
         /// Page cache or O_DIRECT.
         cache: CacheMode,
+        /// Pool size of the `threads` engine.
+        engine_threads: usize,
     },
 }
 
@@ -136,13 +138,19 @@ impl Target {
                 backend: None,
                 _embedded: None,
             }),
-            TargetSpec::Baseline { disk, cache, .. } => {
+            TargetSpec::Baseline {
+                disk,
+                cache,
+                engine_threads,
+                ..
+            } => {
                 let b = Backend::open(
                     disk,
                     &OpenOptions {
                         read_only: false,
                         cache: *cache,
                         prealloc: true,
+                        engine_threads: *engine_threads,
                         ..Default::default()
                     },
                 )
@@ -162,7 +170,10 @@ impl Target {
         match &self.spec {
             TargetSpec::Embedded(c) => format!(
                 "embedded vblk device: {}, engine {}, {} worker(s), poll {} µs",
-                c.disk, c.engine, c.threads, c.poll_us
+                c.disk,
+                engine_label(c.engine, c.engine_threads),
+                c.threads,
+                c.poll_us
             ),
             TargetSpec::Socket { path, .. } => {
                 format!("vhost-user-blk device at {}", path.display())
@@ -171,7 +182,9 @@ impl Target {
                 disk,
                 engine,
                 cache,
+                engine_threads,
             } => {
+                let engine = engine_label(*engine, *engine_threads);
                 format!("baseline: {disk} through {engine} (cache {cache}), no virtio")
             }
         }
@@ -191,12 +204,15 @@ impl Target {
         }
     }
 
-    /// A CPU sample of the device side: its worker threads and their io_uring workers when
-    /// embedded; the whole process when external with a known pid.
+    /// A CPU sample of the device side: its worker threads, their engines' pool threads
+    /// and their io_uring workers when embedded; the whole process when external with a
+    /// known pid.
     pub fn device_sample(&self) -> Option<ThreadSample> {
         let me = std::process::id() as i32;
         match &self.spec {
-            TargetSpec::Embedded(_) => ThreadSample::take(me, &["vblk-worker", "iou-"]).ok(),
+            TargetSpec::Embedded(_) => {
+                ThreadSample::take(me, &["vblk-worker", POOL_THREAD_PREFIX, "iou-"]).ok()
+            }
             TargetSpec::Socket { device_pid, .. } => {
                 device_pid.and_then(|p| ThreadSample::process(p).ok())
             }
@@ -204,12 +220,13 @@ impl Target {
         }
     }
 
-    /// A CPU sample of kernel helpers working for the job threads (the baseline's io_uring
-    /// workers), counted on the driver side.
+    /// A CPU sample of helpers working for the job threads (the baseline's io_uring workers
+    /// and engine pool threads), counted on the driver side.
     pub fn helper_sample(&self) -> ThreadSample {
         match &self.spec {
             TargetSpec::Baseline { .. } => {
-                ThreadSample::take(std::process::id() as i32, &["iou-"]).unwrap_or_default()
+                ThreadSample::take(std::process::id() as i32, &[POOL_THREAD_PREFIX, "iou-"])
+                    .unwrap_or_default()
             }
             _ => ThreadSample::default(),
         }
@@ -270,5 +287,13 @@ impl Target {
                 block: u64::from(info.logical_block_size),
             },
         ))
+    }
+}
+
+/// An engine's name, with its pool size for `threads`: `threads (16 per worker)`.
+fn engine_label(engine: EngineKind, threads: usize) -> String {
+    match engine {
+        EngineKind::Threads => format!("threads ({threads} per worker)"),
+        e => e.to_string(),
     }
 }

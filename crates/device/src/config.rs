@@ -59,6 +59,8 @@ pub struct DeviceConfig {
     pub queue_size: u16,
     /// Storage engine.
     pub engine: EngineKind,
+    /// Threads of each `threads` engine's pool (one pool per worker).
+    pub engine_threads: usize,
     /// Polling window in microseconds (0: never spin).
     pub poll_us: u64,
     /// CPUs to run workers on: worker t on `cpus[t % len]` (empty: wherever the
@@ -99,6 +101,7 @@ impl Default for DeviceConfig {
             threads: 1,
             queue_size: DEFAULT_QUEUE_SIZE,
             engine: EngineKind::default(),
+            engine_threads: storage::DEFAULT_ENGINE_THREADS,
             poll_us: DEFAULT_POLL_US,
             cpus: Vec::new(),
             submit_batch: None,
@@ -149,6 +152,9 @@ pub enum ConfigError {
     /// Poll window absurdly large.
     #[error("--poll-us {0}: must be at most 1000000 (one second)")]
     PollUs(u64),
+    /// Thread pool size out of range.
+    #[error("--engine-threads {0}: must be between 1 and {max}", max = storage::MAX_ENGINE_THREADS)]
+    EngineThreads(usize),
 }
 
 impl DeviceConfig {
@@ -179,6 +185,9 @@ impl DeviceConfig {
         }
         if self.poll_us > 1_000_000 {
             return Err(ConfigError::PollUs(self.poll_us));
+        }
+        if self.engine_threads == 0 || self.engine_threads > storage::MAX_ENGINE_THREADS {
+            return Err(ConfigError::EngineThreads(self.engine_threads));
         }
         let count = cpu_count();
         if let Some(&cpu) = self.cpus.iter().find(|&&c| c >= count) {
@@ -302,6 +311,16 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("CPU 4096 does not exist"));
+        for n in [0, 65] {
+            let bad = DeviceConfig {
+                engine_threads: n,
+                ..Default::default()
+            };
+            assert_eq!(
+                bad.validate().unwrap_err().to_string(),
+                format!("--engine-threads {n}: must be between 1 and 64")
+            );
+        }
     }
 
     #[test]

@@ -158,9 +158,13 @@ pub fn serve(
             cache: config.cache,
             prealloc: config.prealloc,
             image: config.image,
+            engine_threads: config.engine_threads,
             nbd: config.nbd,
         },
     )?);
+    // An engine that cannot work on this disk (aio without O_DIRECT, io_uring or AIO
+    // refused by the kernel) is refused now, not when a frontend connects.
+    drop(disk.engine(config.engine, 1)?);
     info!(
         "disk {}: {} bytes, logical block {} bytes{}",
         config.disk,

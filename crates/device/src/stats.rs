@@ -144,6 +144,10 @@ pub(crate) struct WorkerStats {
     pub poll_misses: AtomicU64,
     /// Times the worker slept in epoll.
     pub sleeps: AtomicU64,
+    /// The worker's running estimate of the CPU one sleep costs it, ns (0: not measured).
+    pub sleep_cost_ns: AtomicU64,
+    /// The polling window when the worker last went to sleep, ns.
+    pub poll_window_ns: AtomicU64,
 }
 
 /// Everything, for one daemon.
@@ -186,6 +190,8 @@ impl Stats {
                     "poll_hits": w.poll_hits.load(Ordering::Relaxed),
                     "poll_misses": w.poll_misses.load(Ordering::Relaxed),
                     "sleeps": w.sleeps.load(Ordering::Relaxed),
+                    "sleep_cost_ns": w.sleep_cost_ns.load(Ordering::Relaxed),
+                    "poll_window_ns": w.poll_window_ns.load(Ordering::Relaxed),
                 })
             })
             .collect();

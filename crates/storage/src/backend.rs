@@ -11,9 +11,10 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use crate::aio_engine::AioEngine;
 use crate::bounce::{probe_dio, DioAlign, DioProbe};
 use crate::engine::{check_depth, Engine, EngineKind};
 use crate::error::Error;
@@ -24,6 +25,7 @@ use crate::lock::{lock_image, Access, ImageLock};
 use crate::nbd::{Export, NbdEngine, NbdOptions};
 use crate::spec::{DiskSpec, SECTOR_SIZE};
 use crate::sync_engine::SyncEngine;
+use crate::threads_engine::{ThreadsEngine, DEFAULT_ENGINE_THREADS, MAX_ENGINE_THREADS};
 use crate::uring_engine::UringEngine;
 
 /// `BLKGETSIZE64`: the size of a block device in bytes (`_IOR(0x12, 114, size_t)`).
@@ -66,7 +68,7 @@ impl fmt::Display for CacheMode {
 }
 
 /// How to open a disk.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct OpenOptions {
     /// Open read-only: writes, discards and write-zeroes fail with `EBADF`.
     pub read_only: bool,
@@ -78,8 +80,24 @@ pub struct OpenOptions {
     pub prealloc: bool,
     /// Files and block devices only: image locking and the format probe.
     pub image: ImageChecks,
+    /// The size of each `threads` engine's pool (one pool per engine, so per worker):
+    /// 1..=[`MAX_ENGINE_THREADS`]; [`DEFAULT_ENGINE_THREADS`] by default.
+    pub engine_threads: usize,
     /// NBD disks only: reconnection, timeouts, connections per engine.
     pub nbd: NbdOptions,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            read_only: false,
+            cache: CacheMode::default(),
+            prealloc: false,
+            image: ImageChecks::default(),
+            engine_threads: DEFAULT_ENGINE_THREADS,
+            nbd: NbdOptions::default(),
+        }
+    }
 }
 
 /// What is checked, and held, on a file or block device before it is served. The default
@@ -155,6 +173,10 @@ pub struct Backend {
     cache: CacheMode,
     serial: String,
     pub(crate) caps: FallocCaps,
+    /// Pool size of `threads` engines.
+    engine_threads: usize,
+    /// Testing aid: submit calls still to be refused ([`Backend::refuse_submits`]).
+    refusals: AtomicUsize,
     nbd: Option<Arc<Export>>,
     /// The timing model and head position of a simulated hard disk.
     hdd: Option<HddDisk>,
@@ -210,6 +232,8 @@ impl Backend {
             cache: opts.cache,
             serial: serial.to_owned(),
             caps: FallocCaps::default(),
+            engine_threads: opts.engine_threads,
+            refusals: AtomicUsize::new(0),
             nbd: None,
             hdd: None,
         }
@@ -332,7 +356,7 @@ impl Backend {
     /// (1..=[`MAX_DEPTH`](crate::MAX_DEPTH)). RAM and null disks get the inline
     /// engine, NBD disks the NBD engine (its own connection), simulated hard disks the
     /// `hdd` engine (data moved inline, completions when the model says they are due),
-    /// whatever `kind` says.
+    /// whatever `kind` says. The aio engine needs `cache=none` ([`Error::AioNeedsDirect`]).
     pub fn engine(
         self: &Arc<Self>,
         kind: EngineKind,
@@ -355,7 +379,46 @@ impl Backend {
                 }),
             (_, EngineKind::Sync) => Ok(Box::new(SyncEngine::new(Arc::clone(self), depth_n))),
             (_, EngineKind::IoUring) => Ok(Box::new(UringEngine::new(Arc::clone(self), depth)?)),
+            (_, EngineKind::Aio) => Ok(Box::new(AioEngine::new(Arc::clone(self), depth)?)),
+            (_, EngineKind::Threads) => {
+                let threads = self.engine_threads;
+                if threads == 0 || threads > MAX_ENGINE_THREADS {
+                    return Err(Error::EngineThreads {
+                        threads,
+                        max: MAX_ENGINE_THREADS,
+                    });
+                }
+                Ok(Box::new(ThreadsEngine::new(
+                    Arc::clone(self),
+                    depth,
+                    threads,
+                )?))
+            }
         }
+    }
+
+    /// The pool size of this backend's `threads` engines.
+    pub fn engine_threads(&self) -> usize {
+        self.engine_threads
+    }
+
+    /// Testing aid: the next `n` calls that hand queued work to the kernel (`io_submit`,
+    /// `io_uring_enter`), in any engine on this backend, are answered as if the kernel had
+    /// said EAGAIN, without reaching it. The work stays queued and counted in
+    /// [`Engine::backlog`]; nothing may be lost or failed. Engines that hand nothing to a
+    /// kernel queue (sync, threads, inline) ignore it.
+    pub fn refuse_submits(&self, n: usize) {
+        self.refusals.store(n, Ordering::Relaxed);
+    }
+
+    /// Whether this submit call is to be refused ([`Backend::refuse_submits`]); one relaxed
+    /// load when none are.
+    pub(crate) fn take_refusal(&self) -> bool {
+        self.refusals.load(Ordering::Relaxed) > 0
+            && self
+                .refusals
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok()
     }
 
     /// Make every completed write durable (`fdatasync`); nothing to do for RAM and null
@@ -538,6 +601,8 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
         cache: opts.cache,
         serial: serial_from_path(path),
         caps: FallocCaps::default(),
+        engine_threads: opts.engine_threads,
+        refusals: AtomicUsize::new(0),
         nbd: None,
         hdd: None,
     })

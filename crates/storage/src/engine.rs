@@ -19,8 +19,24 @@ pub enum EngineKind {
     /// One io_uring per engine; completions signalled on an eventfd.
     #[default]
     IoUring,
+    /// Linux AIO (`io_submit`/`io_getevents`), O_DIRECT only (`cache=none`), as QEMU's
+    /// `aio=native`; completions signalled on an eventfd.
+    Aio,
+    /// A pool of threads per engine doing `preadv2`/`pwritev2`, as QEMU's `aio=threads`;
+    /// completions signalled on an eventfd.
+    Threads,
     /// `preadv2`/`pwritev2` on the calling thread, inside `submit`.
     Sync,
+}
+
+impl EngineKind {
+    /// Every engine, in the order the help texts list them.
+    pub const ALL: [EngineKind; 4] = [
+        EngineKind::IoUring,
+        EngineKind::Aio,
+        EngineKind::Threads,
+        EngineKind::Sync,
+    ];
 }
 
 impl FromStr for EngineKind {
@@ -29,6 +45,8 @@ impl FromStr for EngineKind {
     fn from_str(s: &str) -> Result<Self, Error> {
         match s {
             "io_uring" | "io-uring" => Ok(EngineKind::IoUring),
+            "aio" | "native" => Ok(EngineKind::Aio),
+            "threads" => Ok(EngineKind::Threads),
             "sync" => Ok(EngineKind::Sync),
             _ => Err(Error::BadEngineKind {
                 input: s.to_owned(),
@@ -41,6 +59,8 @@ impl fmt::Display for EngineKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             EngineKind::IoUring => "io_uring",
+            EngineKind::Aio => "aio",
+            EngineKind::Threads => "threads",
             EngineKind::Sync => "sync",
         })
     }
@@ -124,7 +144,7 @@ impl std::error::Error for Full {}
 /// completions. One per worker thread; made by
 /// [`Backend::engine`](crate::Backend::engine).
 pub trait Engine: Send {
-    /// A short name for logs and stats: `io_uring`, `sync` or `inline`.
+    /// A short name for logs and stats: `io_uring`, `aio`, `threads`, `sync` or `inline`.
     fn name(&self) -> &'static str;
     /// Queue `op`; nothing reaches the kernel before `submit`.
     ///
@@ -134,7 +154,9 @@ pub trait Engine: Send {
     /// carrying `token` has been reaped, or the engine is dropped (drop waits for
     /// everything in flight).
     unsafe fn push(&mut self, token: u64, op: Op) -> Result<(), Full>;
-    /// Hand everything pushed since the last call to the kernel: at most one syscall.
+    /// Hand everything pushed since the last call to the kernel, in as few syscalls as the
+    /// engine can: one for io_uring, one per 32 operations for aio, none for threads (a
+    /// wake-up of idle pool threads) and sync (which does the work here).
     fn submit(&mut self) -> io::Result<()>;
     /// Call `f` for every finished operation, without blocking; returns how many.
     fn reap(&mut self, f: &mut dyn FnMut(Completion)) -> usize;
@@ -267,9 +289,13 @@ mod tests {
         assert_eq!("sync".parse::<EngineKind>().unwrap(), EngineKind::Sync);
         assert_eq!(EngineKind::IoUring.to_string(), "io_uring");
         assert_eq!(EngineKind::Sync.to_string(), "sync");
+        for kind in EngineKind::ALL {
+            assert_eq!(kind.to_string().parse::<EngineKind>().unwrap(), kind);
+        }
+        assert_eq!("native".parse::<EngineKind>().unwrap(), EngineKind::Aio);
         assert_eq!(
-            "aio".parse::<EngineKind>().unwrap_err().to_string(),
-            "unknown engine \"aio\" (expected io_uring or sync)"
+            "libaio".parse::<EngineKind>().unwrap_err().to_string(),
+            "unknown engine \"libaio\" (expected io_uring, aio, threads or sync)"
         );
     }
 

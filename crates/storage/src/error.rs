@@ -53,8 +53,8 @@ pub enum Error {
         /// The text that was given.
         input: String,
     },
-    /// An engine name other than `io_uring` or `sync`.
-    #[error("unknown engine {input:?} (expected io_uring or sync)")]
+    /// An engine name other than `io_uring`, `aio`, `threads` or `sync`.
+    #[error("unknown engine {input:?} (expected io_uring, aio, threads or sync)")]
     BadEngineKind {
         /// The text that was given.
         input: String,
@@ -183,6 +183,42 @@ pub enum Error {
         depth: u32,
         /// The largest depth allowed.
         max: u32,
+    },
+    /// The aio engine on a file or block device opened through the page cache. Linux AIO
+    /// is asynchronous only with O_DIRECT; on the page cache `io_submit` does each request
+    /// itself, so the worker would block as with the sync engine. QEMU refuses the same
+    /// (`aio=native` without `cache.direct=on`).
+    #[error(
+        "{}: the aio engine requires cache=none (O_DIRECT): Linux AIO on the page cache \
+         does every request inside io_submit, blocking the worker; use --cache none, or \
+         --engine io_uring, threads or sync with --cache writeback",
+        path.display()
+    )]
+    AioNeedsDirect {
+        /// The disk.
+        path: PathBuf,
+    },
+    /// `io_setup` refused for want of AIO events system-wide (`fs.aio-max-nr`).
+    #[error(
+        "aio engine with depth {depth}: io_setup: the system's limit on AIO events is \
+         reached (/proc/sys/fs/aio-max-nr {max_nr}, in use {in_use}); raise fs.aio-max-nr, \
+         or lower --queue-size, --num-queues or --threads"
+    )]
+    AioLimit {
+        /// The depth that was asked for.
+        depth: u32,
+        /// `/proc/sys/fs/aio-max-nr` (0 if unreadable).
+        max_nr: u64,
+        /// `/proc/sys/fs/aio-nr` (0 if unreadable).
+        in_use: u64,
+    },
+    /// A thread pool size out of range.
+    #[error("--engine-threads {threads}: must be between 1 and {max}")]
+    EngineThreads {
+        /// The size asked for.
+        threads: usize,
+        /// The largest size allowed.
+        max: usize,
     },
     /// An NBD export could not be named, reached or served.
     #[error("{uri}: {source}")]

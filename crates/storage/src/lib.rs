@@ -17,6 +17,11 @@
 //! | `format` | [`Format`], [`ImageFormat`], [`probe`]: refusing qcow2, VMDK, VDI and the other formats that must not be served raw |
 //! | `engine` | the contract: [`Engine`], [`Op`], [`Completion`], [`Full`], [`EngineKind`]; the completion ring and iovec checks the engines share |
 //! | `uring_engine` | the io_uring engine: one ring per engine, eventfd, slots indexed by `user_data` |
+//! | `aio_engine` | the aio engine: Linux AIO on O_DIRECT, batched `io_submit`, eventfd, a helper thread for what AIO cannot do |
+//! | `aio_sys` | the Linux AIO system interface: context, `io_submit`, `io_getevents`, the completion ring's head and tail |
+//! | `threads_engine` | the threads engine: a pool of threads per engine doing synchronous I/O |
+//! | `carry` | slots and operations carried in pieces (short transfers, bounce pieces), shared by io_uring and aio |
+//! | `pool` | the per-engine thread pool (threads engine, aio helper): one lock per engine, exact eventfd signalling |
 //! | `sync_engine` | the sync engine: `preadv2`/`pwritev2` inside `submit` |
 //! | `inline` | the RAM and null disks' engine: memcpy/memset inside `submit` |
 //! | `sysio` | synchronous I/O both file engines share: short transfers, flush, discard and write-zeroes with their fallbacks |
@@ -32,8 +37,11 @@
 
 #![deny(missing_docs)]
 
+mod aio_engine;
+mod aio_sys;
 mod backend;
 mod bounce;
+mod carry;
 mod delay;
 mod engine;
 mod error;
@@ -42,9 +50,11 @@ mod hdd;
 mod inline;
 mod lock;
 pub mod nbd;
+mod pool;
 mod spec;
 mod sync_engine;
 mod sysio;
+mod threads_engine;
 mod uring_engine;
 
 pub use backend::{Backend, BackendKind, CacheMode, ImageChecks, OpenOptions};
@@ -53,4 +63,6 @@ pub use engine::{Completion, Engine, EngineKind, Full, Op, MAX_DEPTH};
 pub use error::Error;
 pub use format::{probe, Format, ImageFormat, PROBE_HEAD, PROBE_TAIL};
 pub use lock::{Conflict, ImageLock, Perm, PERM_BASE, SHARED_BASE};
+pub use pool::POOL_THREAD_PREFIX;
 pub use spec::{format_size, parse_size, DiskSpec, SECTOR_SIZE};
+pub use threads_engine::{DEFAULT_ENGINE_THREADS, MAX_ENGINE_THREADS};

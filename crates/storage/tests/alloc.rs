@@ -150,12 +150,14 @@ fn no_allocation_per_operation() {
 
     let dir = scratch();
     let path = make_file(dir.path(), "disk.img", 8 << 20, 1);
-    for kind in [EngineKind::IoUring, EngineKind::Sync] {
-        check(
-            "writeback file",
-            &open(&path, CacheMode::Writeback, false),
-            kind,
-        );
+    for kind in EngineKind::ALL {
+        if kind != EngineKind::Aio {
+            check(
+                "writeback file",
+                &open(&path, CacheMode::Writeback, false),
+                kind,
+            );
+        }
         check("O_DIRECT file", &open(&path, CacheMode::None, false), kind);
         let mem = Arc::new(Backend::open(&"mem:8M".parse().unwrap(), &Default::default()).unwrap());
         check("mem", &mem, kind);

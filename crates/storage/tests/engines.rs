@@ -1,25 +1,24 @@
-//! Both file engines (io_uring and sync) against real files, in page-cache and
-//! O_DIRECT modes. Every test runs once per engine (`uring::*`, `sync::*`).
+//! The four file engines (io_uring, aio, threads, sync) against real files, in page-cache
+//! and O_DIRECT modes. Every test runs once per engine (`uring::*`, `aio::*`,
+//! `threads::*`, `sync::*`). The aio engine exists only with O_DIRECT, so where a test
+//! uses the page cache the aio run uses O_DIRECT instead ([`cache_for`]).
 
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::sync::Arc;
 
 use common::*;
-use vblk_storage::{Backend, BackendKind, CacheMode, Engine, EngineKind, Full, Op, MAX_DEPTH};
+use vblk_storage::{BackendKind, CacheMode, EngineKind, Full, Op, MAX_DEPTH, POOL_THREAD_PREFIX};
 
 const MIB: usize = 1 << 20;
 
-fn engine(backend: &Arc<Backend>, kind: EngineKind, depth: u32) -> Box<dyn Engine> {
-    let e = backend.engine(kind, depth).unwrap();
-    let name = match kind {
-        EngineKind::IoUring => "io_uring",
-        EngineKind::Sync => "sync",
-    };
-    assert_eq!(e.name(), name);
-    e
+/// The cache modes a test that covers both runs `kind` with.
+fn caches(kind: EngineKind) -> &'static [CacheMode] {
+    match kind {
+        EngineKind::Aio => &[CacheMode::None],
+        _ => &[CacheMode::Writeback, CacheMode::None],
+    }
 }
 
 /// Random writes and reads with several iovecs of random lengths, checked against
@@ -29,16 +28,16 @@ fn write_read_random(kind: EngineKind) {
     let size = 4 * MIB;
     let path = make_file(dir.path(), "disk.img", size, 1);
     let mut model = std::fs::read(&path).unwrap();
-    let b = open(&path, CacheMode::Writeback, false);
+    let b = open(&path, cache_for(kind, CacheMode::Writeback), false);
     assert_eq!(b.kind(), BackendKind::File);
     assert_eq!(b.size(), size as u64);
-    assert_eq!(b.logical_block_size(), 512);
+    let lbs = b.logical_block_size() as usize;
     let mut e = engine(&b, kind, 16);
     let mut rng = Rng::new(42);
     for round in 0..150 {
         let sectors = 1 + rng.below(64) as usize;
-        let len = sectors * 512;
-        let offset = rng.below(((size - len) / 512) as u64 + 1) * 512;
+        let len = sectors * lbs;
+        let offset = rng.below(((size - len) / lbs) as u64 + 1) * lbs as u64;
         let parts = 1 + rng.below(6) as usize;
         let mut data = vec![0u8; len];
         rng.fill(&mut data);
@@ -50,8 +49,8 @@ fn write_read_random(kind: EngineKind) {
         );
         model[offset as usize..offset as usize + len].copy_from_slice(&data);
 
-        let rlen = (1 + rng.below(64) as usize) * 512;
-        let roff = rng.below(((size - rlen) / 512) as u64 + 1) * 512;
+        let rlen = (1 + rng.below(64) as usize) * lbs;
+        let roff = rng.below(((size - rlen) / lbs) as u64 + 1) * lbs as u64;
         let rparts = 1 + rng.below(6) as usize;
         let rlens = split(&mut rng, rlen, rparts);
         let got = read(&mut *e, roff, &rlens, 0).unwrap();
@@ -68,12 +67,13 @@ fn write_read_random(kind: EngineKind) {
 }
 
 /// Many operations in flight at once: a batch of `depth` writes to disjoint
-/// places, then `depth` reads; `push` beyond depth returns Full.
+/// places, then `depth` reads; `push` beyond depth returns Full. 40 is more than one
+/// `io_submit` batch of the aio engine (32).
 fn depth_and_full(kind: EngineKind) {
     let dir = scratch();
     let path = make_file(dir.path(), "disk.img", 2 * MIB, 2);
-    let b = open(&path, CacheMode::Writeback, false);
-    let depth = 32;
+    let b = open(&path, cache_for(kind, CacheMode::Writeback), false);
+    let depth = 40;
     let mut e = engine(&b, kind, depth);
     let mut rng = Rng::new(3);
     let blk = 8192;
@@ -220,7 +220,7 @@ fn direct_io(kind: EngineKind) {
 fn flush_and_durable(kind: EngineKind) {
     let dir = scratch();
     let path = make_file(dir.path(), "disk.img", MIB, 6);
-    for cache in [CacheMode::Writeback, CacheMode::None] {
+    for &cache in caches(kind) {
         let b = open(&path, cache, false);
         let mut e = engine(&b, kind, 4);
         let data = vec![0x5au8; 8192];
@@ -240,7 +240,7 @@ fn discard(kind: EngineKind) {
     let dir = scratch();
     let size = 2 * MIB;
     let path = make_file(dir.path(), "disk.img", size, 7);
-    for cache in [CacheMode::Writeback, CacheMode::None] {
+    for &cache in caches(kind) {
         let b = open(&path, cache, false);
         assert!(b.supports_discard());
         let mut e = engine(&b, kind, 4);
@@ -270,7 +270,7 @@ fn write_zeroes(kind: EngineKind) {
     let dir = scratch();
     let size = 2 * MIB;
     let path = make_file(dir.path(), "disk.img", size, 8);
-    for cache in [CacheMode::Writeback, CacheMode::None] {
+    for &cache in caches(kind) {
         for unmap in [false, true] {
             let b = open(&path, cache, false);
             assert!(b.supports_write_zeroes());
@@ -321,7 +321,7 @@ fn read_only(kind: EngineKind) {
     let path = make_file(dir.path(), "ro.img", MIB, 9);
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).unwrap();
     let original = std::fs::read(&path).unwrap();
-    for cache in [CacheMode::Writeback, CacheMode::None] {
+    for &cache in caches(kind) {
         let b = open(&path, cache, true);
         assert!(b.read_only());
         assert!(!b.supports_discard() && !b.supports_write_zeroes());
@@ -349,7 +349,7 @@ fn read_only(kind: EngineKind) {
 fn bad_ops(kind: EngineKind) {
     let dir = scratch();
     let path = make_file(dir.path(), "disk.img", MIB, 10);
-    let b = open(&path, CacheMode::Writeback, false);
+    let b = open(&path, cache_for(kind, CacheMode::Writeback), false);
     let mut e = engine(&b, kind, 8);
     let mut buf = Buf::new(4096, 0);
     let iov = [buf.iovec()];
@@ -409,7 +409,7 @@ fn short_read_at_eof(kind: EngineKind) {
     let dir = scratch();
     let path = make_file(dir.path(), "shrink.img", MIB, 11);
     let original = std::fs::read(&path).unwrap();
-    let b = open(&path, CacheMode::Writeback, false);
+    let b = open(&path, cache_for(kind, CacheMode::Writeback), false);
     let mut e = engine(&b, kind, 4);
     let cut = MIB / 2 + 4096;
     std::fs::OpenOptions::new()
@@ -446,12 +446,12 @@ fn drop_in_flight(kind: EngineKind) {
     drop(bufs);
 }
 
-/// The notify fd: io_uring's becomes readable when completions wait, and is
-/// drained by reap; sync has none.
+/// The notify fd: io_uring's, aio's and threads' becomes readable when completions
+/// wait, and is drained by reap; sync has none.
 fn notify(kind: EngineKind) {
     let dir = scratch();
     let path = make_file(dir.path(), "disk.img", MIB, 13);
-    let b = open(&path, CacheMode::Writeback, false);
+    let b = open(&path, cache_for(kind, CacheMode::Writeback), false);
     let mut e = engine(&b, kind, 4);
     let Some(fd) = e.notify_fd() else {
         assert_eq!(kind, EngineKind::Sync);
@@ -490,14 +490,15 @@ fn notify(kind: EngineKind) {
 fn depth_limits(kind: EngineKind) {
     let dir = scratch();
     let path = make_file(dir.path(), "disk.img", MIB, 14);
-    let b = open(&path, CacheMode::Writeback, false);
+    let b = open(&path, cache_for(kind, CacheMode::Writeback), false);
     assert!(b.engine(kind, 0).is_err());
     assert_eq!(
         b.engine(kind, MAX_DEPTH + 1).err().unwrap().to_string(),
         "engine depth 32769 is out of range 1..=32768"
     );
     let mut e = engine(&b, kind, 1);
-    assert_eq!(read(&mut *e, 0, &[512], 0).unwrap().len(), 512);
+    let lbs = b.logical_block_size() as usize;
+    assert_eq!(read(&mut *e, 0, &[lbs], 0).unwrap().len(), lbs);
 }
 
 /// More iovecs than one READV/WRITEV takes (UIO_MAXIOV = 1024), in page-cache
@@ -506,7 +507,7 @@ fn many_iovecs(kind: EngineKind) {
     let dir = scratch();
     let path = make_file(dir.path(), "disk.img", 2 * MIB, 15);
     let count = 1500;
-    for cache in [CacheMode::Writeback, CacheMode::None] {
+    for &cache in caches(kind) {
         let b = open(&path, cache, false);
         let mut e = engine(&b, kind, 4);
         let mut data = vec![0u8; count * 512];
@@ -581,6 +582,8 @@ macro_rules! engine_tests {
 }
 
 engine_tests!(uring, EngineKind::IoUring);
+engine_tests!(aio, EngineKind::Aio);
+engine_tests!(threads, EngineKind::Threads);
 engine_tests!(sync, EngineKind::Sync);
 
 #[test]
@@ -588,4 +591,21 @@ fn scratch_is_not_tmpfs() {
     let dir = scratch();
     assert!(!is_tmpfs(dir.path()));
     assert!(!is_tmpfs(Path::new(dir.path())));
+}
+
+/// Pool threads carry the name CPU accounting looks for (`vblk bench` counts threads whose
+/// name starts with `POOL_THREAD_PREFIX` on the device side).
+#[test]
+fn pool_threads_are_named_for_accounting() {
+    let dir = scratch();
+    let path = make_file(dir.path(), "disk.img", MIB, 17);
+    let b = open(&path, CacheMode::Writeback, false);
+    let mut e = engine(&b, EngineKind::Threads, 4);
+    assert_eq!(read(&mut *e, 0, &[4096], 0).unwrap().len(), 4096);
+    let named = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).ok())
+        .filter(|comm| comm.trim_end() == format!("{POOL_THREAD_PREFIX}io"))
+        .count();
+    assert!(named >= 1, "no thread named {POOL_THREAD_PREFIX}io");
 }

@@ -18,9 +18,10 @@ use storage::{CacheMode, DiskSpec, EngineKind};
 ///
 /// Jobs come from fio job files (`[global]` and named sections; options vblk does not
 /// support are reported once as ignored) and/or the fio-named flags below, which apply to
-/// every job. Targets: the embedded device (default; --disk, --engine, --poll-us,
-/// --threads, --cache), any vhost-user-blk socket (--socket, --device-pid), or --baseline:
-/// the same job straight on the disk through io_uring with no virtio in between.
+/// every job. Targets: the embedded device (default; --disk, --engine, --engine-threads,
+/// --poll-us, --threads, --cache), any vhost-user-blk socket (--socket, --device-pid), or
+/// --baseline: the same job straight on the disk through the engine with no virtio in
+/// between.
 ///
 /// Examples:
 ///   vblk bench
@@ -28,6 +29,7 @@ use storage::{CacheMode, DiskSpec, EngineKind};
 ///   vblk bench bench/jobs/iometer-file-server.fio --runtime=10
 ///   vblk bench --socket /tmp/qsd.sock --device-pid 1234 --compare path=bio,batch --repeat 3
 ///   vblk bench --disk /var/tmp/disk.img --cache none --compare target=embedded,baseline
+///   vblk bench --disk /var/tmp/disk.img --cache none --compare engine=io_uring,aio,threads,sync
 #[derive(Debug, Args)]
 #[command(verbatim_doc_comment)]
 pub struct BenchArgs {
@@ -106,7 +108,7 @@ pub struct BenchArgs {
     /// The external device's process, to measure its CPU.
     #[arg(long, value_name = "PID", requires = "socket")]
     pub device_pid: Option<i32>,
-    /// Run the job on the disk through io_uring with no virtio in between.
+    /// Run the job on the disk through the engine (--engine) with no virtio in between.
     #[arg(long)]
     pub baseline: bool,
     /// The disk of the embedded device or the baseline: PATH, mem:SIZE, null:SIZE, hdd:SIZE
@@ -114,9 +116,22 @@ pub struct BenchArgs {
     /// `nbd+unix:///EXPORT?socket=PATH`.
     #[arg(long, value_name = "SPEC", default_value = "mem:1G")]
     pub disk: DiskSpec,
-    /// Engine of the embedded device or the baseline: io_uring, sync.
-    #[arg(long, value_name = "ENGINE", default_value = "io_uring")]
+    /// Engine of the embedded device or the baseline (files and block devices; RAM and
+    /// null disks are served in memory whatever the engine):
+    ///   io_uring  batched submission on one ring per worker.
+    ///   aio       Linux AIO (io_submit, 32 per call), QEMU's aio=native; needs --cache none.
+    ///   threads   a pool of --engine-threads threads per worker, QEMU's aio=threads.
+    ///   sync      preadv/pwritev on the worker, one request at a time.
+    #[arg(
+        long,
+        value_name = "ENGINE",
+        default_value = "io_uring",
+        verbatim_doc_comment
+    )]
     pub engine: String,
+    /// Threads of each worker's pool with the threads engine (1-64) [default: 16].
+    #[arg(long, value_name = "N", default_value_t = storage::DEFAULT_ENGINE_THREADS)]
+    pub engine_threads: usize,
     /// Host cache of the embedded device or the baseline: none (O_DIRECT), writeback.
     #[arg(long, value_name = "MODE", default_value = "writeback")]
     pub cache: String,
@@ -214,10 +229,10 @@ pub struct BenchArgs {
     #[arg(long, value_name = "US", default_value_t = 50)]
     pub spin_us: u64,
     /// Run each job once per value of an option (any job or bench option), e.g.
-    /// path=bio,batch or engine=io_uring,sync or target=embedded,baseline or
-    /// socket=/run/a.sock@PID,/run/b.sock@PID (devices side by side). Variants that set
-    /// several options are separated by ';', their settings by ',', e.g.
-    /// "path=bio;path=request,elevator=deadline,queue_depth=2".
+    /// path=bio,batch or engine=io_uring,aio,threads,sync or engine_threads=4,16 or
+    /// target=embedded,baseline or socket=/run/a.sock@PID,/run/b.sock@PID (devices side by
+    /// side). Variants that set several options are separated by ';', their settings by
+    /// ',', e.g. "path=bio;path=request,elevator=deadline,queue_depth=2".
     #[arg(long, value_name = "KEY=V1,V2")]
     pub compare: Option<String>,
     /// Runs per variant (the table shows mean ± stddev).
@@ -329,12 +344,14 @@ impl TryFrom<&BenchArgs> for Plan {
                 disk: a.disk.clone(),
                 engine,
                 cache,
+                engine_threads: a.engine_threads,
             }
         } else {
             TargetSpec::Embedded(device::DeviceConfig {
                 disk: a.disk.clone(),
                 engine,
                 cache,
+                engine_threads: a.engine_threads,
                 poll_us: a.poll_us,
                 threads: a.threads,
                 nbd: storage::nbd::NbdOptions {

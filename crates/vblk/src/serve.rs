@@ -112,11 +112,24 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_QUEUE_SIZE)]
     pub queue_size: u16,
 
-    /// Storage engine for file and block-device disks: `io_uring` (batched submission,
-    /// one submit per pass) or `sync` (preadv/pwritev on the worker). RAM and null disks
-    /// are served in memory by either.
-    #[arg(long, value_name = "ENGINE", default_value = "io_uring", value_parser = parse_engine)]
+    /// Storage engine for file and block-device disks, one per worker:
+    ///   io_uring  batched submission on one ring per worker; completions on an eventfd.
+    ///   aio       Linux AIO (io_submit, up to 32 requests per call), as QEMU's aio=native;
+    ///             needs --cache none (on the page cache Linux AIO does each request inside
+    ///             io_submit). Discard and write-zeroes run on a helper thread.
+    ///   threads   a pool of --engine-threads threads per worker doing preadv/pwritev, as
+    ///             QEMU's aio=threads.
+    ///   sync      preadv/pwritev on the worker itself: one request at a time.
+    /// RAM and null disks are served in memory whatever the engine.
+    #[arg(long, value_name = "ENGINE", default_value = "io_uring", value_parser = parse_engine,
+          verbatim_doc_comment)]
     pub engine: EngineKind,
+
+    /// Threads in each worker's pool with --engine threads (1-64), started as the load
+    /// needs them. They bound the requests a worker has at the disk at once; each may hold
+    /// one 1 MiB O_DIRECT bounce buffer.
+    #[arg(long, value_name = "N", default_value_t = storage::DEFAULT_ENGINE_THREADS)]
+    pub engine_threads: usize,
 
     /// NBD disks: when the connection to the server breaks, hold the requests in flight
     /// and reconnect for up to this many seconds, replaying them on the new connection;
@@ -292,6 +305,7 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             threads: a.threads,
             queue_size: a.queue_size,
             engine: a.engine,
+            engine_threads: a.engine_threads,
             poll_us: a.poll_us,
             cpus: a.cpus.map(|c| c.0).unwrap_or_default(),
             submit_batch: a.submit_batch,
@@ -469,6 +483,20 @@ mod tests {
                 format: Some(Format::Raw)
             }
         );
+        for (name, kind) in [("aio", EngineKind::Aio), ("threads", EngineKind::Threads)] {
+            let (c, _) = serve(&[
+                "--socket-path",
+                "/x",
+                "--blk-file",
+                "null:1G",
+                "--engine",
+                name,
+                "--engine-threads",
+                "8",
+            ])
+            .unwrap();
+            assert_eq!((c.engine, c.engine_threads), (kind, 8));
+        }
         let (auto, _) = serve(&[
             "--socket-path",
             "/x",
@@ -478,6 +506,7 @@ mod tests {
             "none",
         ])
         .unwrap();
+        assert_eq!(auto.engine_threads, storage::DEFAULT_ENGINE_THREADS);
         assert_eq!(
             auto.effective_submit_batch(),
             4,
@@ -538,10 +567,26 @@ mod tests {
             "--blk-file",
             "null:1G",
             "--engine",
-            "aio",
+            "spdk",
         ])
         .unwrap_err();
-        assert!(e.contains("aio"), "{e}");
+        assert!(
+            e.contains("unknown engine \"spdk\" (expected io_uring, aio, threads or sync)"),
+            "{e}"
+        );
+        let e = serve(&[
+            "--socket-path",
+            "/x",
+            "--blk-file",
+            "null:1G",
+            "--engine-threads",
+            "0",
+        ])
+        .unwrap_err();
+        assert!(
+            e.contains("--engine-threads 0: must be between 1 and 64"),
+            "{e}"
+        );
         let e = serve(&[
             "--socket-path",
             "/x",

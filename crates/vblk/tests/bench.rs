@@ -194,6 +194,17 @@ fn compare_prints_a_table_with_ratios_and_plots_it() {
     );
     assert!(text.lines().any(|l| l.starts_with("path=batch")), "{text}");
     assert!(text.contains("2 run(s) per variant"), "{text}");
+    // The embedded device's CPU is measured: its share of a CPU ends each row, as a
+    // percentage between 0 and 100 (one worker thread).
+    assert!(text.contains(" dev CPU\n"), "{text}");
+    let share: f64 = bio
+        .split_whitespace()
+        .last()
+        .and_then(|c| c.strip_suffix('%'))
+        .expect(bio)
+        .parse()
+        .unwrap();
+    assert!((0.0..=100.5).contains(&share), "{bio}");
     let svg = std::fs::read_to_string(svg).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("path=batch"));
 }

@@ -143,6 +143,51 @@ fn stats_show_what_a_driver_did() {
     });
 }
 
+/// A worker that sleeps between requests measures what a sleep costs it and bounds its
+/// polling window by it (poll.rs); `--poll-us 0` neither spins nor measures.
+#[test]
+fn a_worker_that_sleeps_measures_the_cost_and_narrows_its_window() {
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("control-poll");
+        let img = image(dir.path(), 16 * MIB);
+        for (poll, ceiling_ns) in [("200", 200_000u64), ("0", 0)] {
+            let ctl = dir.path().join(format!("vblk-{poll}.ctl"));
+            let d = serve(
+                dir.path(),
+                &img,
+                &["--control-socket", ctl.to_str().unwrap(), "--poll-us", poll],
+            );
+            let disk = Disk::attach(&d.socket, &opts()).unwrap();
+            let mut q = disk.take_queue(0).unwrap();
+            let mut buf = vec![0u8; 4096];
+            // Far apart: every window runs out and the worker sleeps before each read.
+            for i in 0..48u64 {
+                q.read_at(i * 4096, &mut buf).unwrap();
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let (ok, json) = vblk_stats(&[ctl.to_str().unwrap(), "--json"]);
+            assert!(ok, "{json}");
+            let v: Value = serde_json::from_str(&json).unwrap();
+            let w = &v["workers"][0];
+            let n = |f: &str| w[f].as_u64().unwrap();
+            assert!(n("sleeps") >= 48, "{w}");
+            if ceiling_ns == 0 {
+                assert_eq!((n("sleep_cost_ns"), n("poll_window_ns")), (0, 0), "{w}");
+                assert_eq!(n("poll_hits"), 0, "{w}");
+            } else {
+                assert!(n("sleep_cost_ns") > 0, "a sleep was measured: {w}");
+                assert!(n("poll_misses") >= 40, "{w}");
+                assert!(
+                    n("poll_window_ns") < ceiling_ns,
+                    "windows that run out, bounded by a sleep's cost, are under the ceiling: {w}"
+                );
+            }
+            let (ok, text) = vblk_stats(&[ctl.to_str().unwrap()]);
+            assert!(ok && text.contains("a sleep costs"), "{text}");
+        }
+    });
+}
+
 /// SIGTERM with requests in flight: they finish and are answered, the disk is flushed,
 /// the socket the daemon made is removed, and it exits 0.
 #[test]

@@ -213,6 +213,9 @@ pub(crate) struct Worker {
     stats: Arc<WorkerStats>,
     /// The start of the current pass: one clock read per pass times every request.
     now: Instant,
+    /// Work served since the worker last went idle: chains taken from rings plus
+    /// completions taken from the engine (for the polling decision, poll.rs).
+    work: u64,
 }
 
 impl Worker {
@@ -261,6 +264,7 @@ impl Worker {
             stop_timeout: STOP_TIMEOUT,
             stats: setup.stats,
             now: Instant::now(),
+            work: 0,
         })
     }
 
@@ -286,13 +290,19 @@ impl Worker {
             self.finish_stops();
             if progress {
                 if polling {
-                    self.poll.hit();
+                    let spun = idle_since.map_or(Duration::ZERO, |t| self.now - t);
+                    self.poll.hit(spun);
                     self.stats.poll_hits.fetch_add(1, Ordering::Relaxed);
                     polling = false;
                 }
                 idle_since = None;
                 idle_passes = 0;
                 continue;
+            }
+            if idle_since.is_none() {
+                // A busy period ends: credit its work to how the idle period before it
+                // ended (poll.rs compares polling's cost per unit of work with sleeping's).
+                self.poll.busy(std::mem::take(&mut self.work));
             }
             // While polling, read the clock once per IDLE_PASSES_PER_CLOCK empty passes:
             // it costs more than a pass, and the window need not be exact.
@@ -313,7 +323,14 @@ impl Worker {
                 self.stats.poll_misses.fetch_add(1, Ordering::Relaxed);
                 polling = false;
             }
+            self.stats
+                .poll_window_ns
+                .store(nanos(self.poll.window()), Ordering::Relaxed);
             if self.rearm() {
+                // Work came in while re-arming: the window's spin found it after all.
+                if let Some(t) = idle_since {
+                    self.poll.hit(Instant::now() - t);
+                }
                 idle_since = None;
                 continue;
             }
@@ -349,7 +366,24 @@ impl Worker {
             };
         }
         self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
-        let n = match self.epoll.wait(timeout, events) {
+        // One sleep in poll::SAMPLE_EVERY is measured: the CPU this thread spends on it
+        // (entering epoll, being switched out, woken and switched in) bounds the polling
+        // window (poll.rs). A wait that found events at once did not sleep: not counted.
+        let sample = self
+            .poll
+            .sample_due()
+            .then(|| (thread_cpu(), Instant::now()));
+        let waited = self.epoll.wait(timeout, events);
+        if let Some((cpu0, wall0)) = sample {
+            let (cpu, wall) = (thread_cpu().saturating_sub(cpu0), wall0.elapsed());
+            if wall > cpu + Duration::from_micros(1) {
+                self.poll.slept(cpu);
+                if let Some(c) = self.poll.sleep_cost() {
+                    self.stats.sleep_cost_ns.store(nanos(c), Ordering::Relaxed);
+                }
+            }
+        }
+        let n = match waited {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return,
             Err(e) => {
@@ -566,6 +600,7 @@ impl Worker {
                 },
             };
             popped = true;
+            self.work += 1;
             let give_back = |q: &mut Queue| {
                 if resubmitted {
                     q.resubmit.push_front(head);
@@ -690,6 +725,7 @@ impl Worker {
             return false;
         }
         self.in_flight -= n;
+        self.work += n as u64;
         for c in self.done.drain(..) {
             let (index, gen, head) = untoken(c.token);
             if let Some(q) = self
@@ -775,6 +811,24 @@ impl Worker {
         }
         more && room
     }
+}
+
+/// This thread's CPU time (user and system), to the nanosecond.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into a live local.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Hand the engine's queued work to the kernel, logging a failure (rate-limited).

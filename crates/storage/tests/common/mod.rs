@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use vblk_storage::{Backend, CacheMode, Completion, DiskSpec, Engine, Op, OpenOptions};
+use vblk_storage::{Backend, CacheMode, Completion, DiskSpec, Engine, EngineKind, Op, OpenOptions};
 
 /// tmpfs has no O_DIRECT before Linux 6.6 and no real block allocation, so the
 /// tests' files live in the target dir (or /var/tmp), never on tmpfs.
@@ -75,6 +75,26 @@ pub fn open(path: &Path, cache: CacheMode, read_only: bool) -> Arc<Backend> {
         ..Default::default()
     };
     Arc::new(Backend::open(&DiskSpec::File(path.to_owned()), &opts).unwrap())
+}
+
+/// An engine of `kind` on a file backend; its name is the kind's.
+pub fn engine(backend: &Arc<Backend>, kind: EngineKind, depth: u32) -> Box<dyn Engine> {
+    let e = backend.engine(kind, depth).unwrap();
+    assert_eq!(e.name(), kind.to_string());
+    e
+}
+
+/// The cache mode a test asking for `want` runs `kind` with: aio needs O_DIRECT.
+pub fn cache_for(kind: EngineKind, want: CacheMode) -> CacheMode {
+    match kind {
+        EngineKind::Aio => CacheMode::None,
+        _ => want,
+    }
+}
+
+/// Whether `kind` hands work to a kernel queue that can refuse it (EAGAIN).
+pub fn kernel_queue(kind: EngineKind) -> bool {
+    matches!(kind, EngineKind::IoUring | EngineKind::Aio)
 }
 
 pub fn has_o_direct(fd: RawFd) -> bool {
