@@ -149,8 +149,10 @@ pub struct ServeArgs {
     pub nbd_conns: u32,
 
     /// After its queues run dry a worker keeps polling for up to this many microseconds
-    /// (adapting down when polling finds nothing) before it re-enables notifications and
-    /// sleeps; 0 never spins.
+    /// before it re-enables notifications and sleeps; 0 never spins. The window is also
+    /// bounded by the CPU a sleep costs the worker (measured), shrinks when polling finds
+    /// nothing, and drops to a thirty-second of its bound while polling costs more CPU per
+    /// request than sleeping (a paced or slow load): `vblk stats` shows both figures.
     #[arg(long, value_name = "US", default_value_t = DEFAULT_POLL_US)]
     pub poll_us: u64,
 
