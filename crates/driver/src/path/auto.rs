@@ -74,20 +74,35 @@ pub struct AutoReport {
     pub trials: Vec<AutoTrial>,
 }
 
-/// The workload's shape, coarsely: equal signatures mean the same choice still holds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// The workload's shape: what the choice was made for.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct Signature {
-    /// Reads in quarters (0..=4).
-    read_quarters: u8,
-    /// log2 of the mean I/O size.
-    size_log2: u8,
-    /// Most I/Os start where the previous one ended.
-    sequential: bool,
-    /// log2 of the mean depth at submission.
-    depth_log2: u8,
+    /// Share of reads (0..=1).
+    reads: f64,
+    /// Mean I/O size, bytes.
+    size: f64,
+    /// Share of I/Os that start where the previous one ended (0..=1).
+    sequential: f64,
+    /// Mean number of I/Os in flight at submission.
+    depth: f64,
 }
 
-/// Submissions seen since the last check.
+impl Signature {
+    /// Whether `self` is a different workload from `other`: a quarter of the mix moved
+    /// between reads and writes or between sequential and random, or the I/O size or the
+    /// depth changed by more than 2×. Tolerances rather than buckets, so that a workload
+    /// sitting on a bucket's edge (QD32's mean depth is 31.9 in one window and 32 in the
+    /// next) does not look new at every check.
+    fn differs(&self, other: &Signature) -> bool {
+        let ratio = |a: f64, b: f64| a.max(1.0) / b.max(1.0);
+        let apart = |a: f64, b: f64| ratio(a, b) > 2.0 || ratio(b, a) > 2.0;
+        (self.reads - other.reads).abs() >= 0.25
+            || (self.sequential - other.sequential).abs() >= 0.25
+            || apart(self.size, other.size)
+            || apart(self.depth, other.depth)
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 struct Window {
     ios: u64,
@@ -99,12 +114,12 @@ struct Window {
 
 impl Window {
     fn signature(&self) -> Signature {
-        let n = self.ios.max(1);
+        let n = self.ios.max(1) as f64;
         Signature {
-            read_quarters: (self.reads * 4 / n) as u8,
-            size_log2: (self.bytes / n).max(1).ilog2() as u8,
-            sequential: self.sequential * 2 > n,
-            depth_log2: (self.depth / n).max(1).ilog2() as u8,
+            reads: self.reads as f64 / n,
+            size: self.bytes as f64 / n,
+            sequential: self.sequential as f64 / n,
+            depth: self.depth as f64 / n,
         }
     }
 }
@@ -302,11 +317,13 @@ impl Auto {
                 let sig = self.window.signature();
                 self.window = Window::default();
                 self.checks += 1;
-                if sig != self.chosen {
+                if sig.differs(&self.chosen) {
                     // A new workload: what was chosen for the old one counts for nothing.
                     self.last_pick = None;
                 }
-                if !self.rotational && (sig != self.chosen || self.checks >= self.recheck_after) {
+                if !self.rotational
+                    && (sig.differs(&self.chosen) || self.checks >= self.recheck_after)
+                {
                     self.checks = 0;
                     self.tallies.iter_mut().for_each(|t| *t = Tally::default());
                     self.step = Some(0);
@@ -355,5 +372,34 @@ impl Auto {
         self.chosen = self.window.signature();
         self.checks = 0;
         self.switch(core, pick);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sig(reads: f64, size: f64, sequential: f64, depth: f64) -> Signature {
+        Signature {
+            reads,
+            size,
+            sequential,
+            depth,
+        }
+    }
+
+    #[test]
+    fn a_workload_on_a_buckets_edge_is_the_same_workload() {
+        let qd32 = sig(1.0, 4096.0, 1.0, 32.0);
+        assert!(!qd32.differs(&sig(1.0, 4096.0, 1.0, 31.2)));
+        assert!(!qd32.differs(&sig(0.9, 4096.0, 0.95, 20.0)));
+        assert!(qd32.differs(&sig(1.0, 4096.0, 1.0, 8.0)), "depth 4x lower");
+        assert!(
+            qd32.differs(&sig(1.0, 65536.0, 1.0, 32.0)),
+            "16x larger I/O"
+        );
+        assert!(qd32.differs(&sig(0.5, 4096.0, 1.0, 32.0)), "half writes");
+        assert!(qd32.differs(&sig(1.0, 4096.0, 0.0, 32.0)), "random");
+        assert!(!Signature::default().differs(&Signature::default()));
     }
 }
