@@ -50,7 +50,7 @@ use vmm_sys_util::aio::{
 
 use crate::aio_sys::Context;
 use crate::backend::Backend;
-use crate::carry::{plan, Piece, Slots, Work};
+use crate::carry::{Piece, Slots, Work};
 use crate::engine::{errno, Completion, Dir, Engine, Full, Op};
 use crate::error::Error;
 use crate::pool::{drain_eventfd, new_eventfd, wait_readable, Job, Pool};
@@ -416,14 +416,10 @@ impl Engine for AioEngine {
             return Err(Full);
         }
         self.in_flight += 1;
-        // SAFETY: the caller's push contract, forwarded.
-        match unsafe { plan(&self.io, op) } {
-            // in_flight <= depth and every busy slot is in flight, so one is free.
-            Ok(work) => match self.slots.start(token, work) {
-                Some(idx) => self.advance(idx),
-                None => self.slots.ready.push(token, Err(errno(libc::EAGAIN))),
-            },
-            Err(e) => self.slots.ready.push(token, Err(e)),
+        // SAFETY: the caller's push contract, forwarded. in_flight <= depth and every
+        // busy slot is in flight, so a slot is free.
+        if let Some(idx) = unsafe { self.slots.plan_and_start(&self.io, token, op) } {
+            self.advance(idx);
         }
         Ok(())
     }

@@ -339,6 +339,34 @@ impl Slots {
         Some(idx)
     }
 
+    /// Plans `op` (see [`plan`]) and gives it a slot: the slot to advance, or None when the
+    /// operation was answered at once (a bad request, or no free slot, which the caller's
+    /// in-flight count rules out) and its completion is already in `ready`.
+    ///
+    /// # Safety
+    /// The [`Engine::push`](crate::Engine::push) contract holds for `op`.
+    pub(crate) unsafe fn plan_and_start(
+        &mut self,
+        io: &SyncIo,
+        token: u64,
+        op: Op,
+    ) -> Option<usize> {
+        // SAFETY: the caller's push contract, forwarded.
+        match unsafe { plan(io, op) } {
+            Ok(work) => match self.start(token, work) {
+                Some(idx) => Some(idx),
+                None => {
+                    self.ready.push(token, Err(errno(libc::EAGAIN)));
+                    None
+                }
+            },
+            Err(e) => {
+                self.ready.push(token, Err(e));
+                None
+            }
+        }
+    }
+
     /// Slot `idx` waits for a bounce buffer.
     pub(crate) fn wait_for_bounce(&mut self, idx: usize) {
         // idx < depth <= MAX_DEPTH fits in u32.

@@ -33,7 +33,7 @@ use io_uring::{opcode, squeue, types, IoUring};
 
 use crate::backend::Backend;
 use crate::bounce::AlignedBuf;
-use crate::carry::{plan, Piece, Slots, Work};
+use crate::carry::{Piece, Slots, Work};
 use crate::engine::{errno, Completion, Dir, Engine, Full, Op};
 use crate::error::Error;
 use crate::sysio::{fdatasync, unsupported, SyncIo, PUNCH_HOLE};
@@ -325,14 +325,10 @@ impl Engine for UringEngine {
             return Err(Full);
         }
         self.in_flight += 1;
-        // SAFETY: the caller's push contract, forwarded.
-        match unsafe { plan(&self.io, op) } {
-            // in_flight <= depth and every busy slot is in flight, so one is free.
-            Ok(work) => match self.slots.start(token, work) {
-                Some(idx) => self.advance(idx),
-                None => self.slots.ready.push(token, Err(errno(libc::EAGAIN))),
-            },
-            Err(e) => self.slots.ready.push(token, Err(e)),
+        // SAFETY: the caller's push contract, forwarded. in_flight <= depth and every
+        // busy slot is in flight, so a slot is free.
+        if let Some(idx) = unsafe { self.slots.plan_and_start(&self.io, token, op) } {
+            self.advance(idx);
         }
         Ok(())
     }
