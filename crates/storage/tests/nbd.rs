@@ -172,6 +172,32 @@ impl Server {
         }
     }
 
+    /// SIGSTOP, and wait until every thread of the server is stopped: the signal is
+    /// delivered asynchronously, and a thread still running could answer one more request.
+    fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        let Some(c) = &self.child else { return };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let stopped = || {
+            std::fs::read_dir(format!("/proc/{}/task", c.id()))
+                .unwrap()
+                .filter_map(Result::ok)
+                .all(|t| {
+                    let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                    // The state follows the command name's closing parenthesis.
+                    stat.rsplit_once(") ")
+                        .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+                })
+        };
+        while !stopped() {
+            assert!(
+                Instant::now() < deadline,
+                "the server did not stop within 5 s"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -683,7 +709,7 @@ fn silent_server_is_found_by_the_timeout() {
     let b = open_with(&s.uri(""), &opts(false, 1, 2)).unwrap();
     let mut e = engine(&b, 8);
     read(&mut *e, 0, &[4096], 0).unwrap();
-    s.signal(libc::SIGSTOP);
+    s.stop();
     let start = Instant::now();
     let err = read(&mut *e, 0, &[4096], 0).unwrap_err();
     let took = start.elapsed();
