@@ -513,3 +513,54 @@ fn inflight_region_resubmits_what_a_stopped_queue_left() {
     let mut iq = region.queue(0, QSIZE).unwrap();
     assert_eq!(iq.prepare(4), (vec![], 4));
 }
+
+/// Prefetching reads what the driver left in the ring before anything is checked: heads
+/// outside the queue, buffers outside guest memory or at the end of the address space,
+/// unaligned indirect tables, tables whose entries point anywhere. It must neither fault
+/// nor change what the walk then pops.
+#[test]
+fn prefetch_survives_any_ring_content() {
+    let rig = Rig::new(false, EngineKind::Sync);
+    let hostile = [
+        d(OUTSIDE, 16, 0, 0),
+        d(u64::MAX - 7, 16, F_NEXT, 1),
+        d(TABLE + 3, 32, F_INDIRECT, 0),
+        d(TABLE, 32, F_INDIRECT, 0),
+        d(MEM_END - 8, 4096, F_INDIRECT, 0),
+        d(u64::MAX, u32::MAX, F_INDIRECT | F_NEXT | F_WRITE, u16::MAX),
+    ];
+    for i in 0..QSIZE {
+        let desc = hostile[usize::from(i) % hostile.len()];
+        rig.mem
+            .write_obj(desc, GuestAddress(rig.desc + 16 * u64::from(i)))
+            .unwrap();
+    }
+    // The indirect table at TABLE names buffers outside memory and at its very end.
+    rig.mem
+        .write_obj(d(OUTSIDE, 16, F_NEXT, 1), GuestAddress(TABLE))
+        .unwrap();
+    rig.mem
+        .write_obj(d(MEM_END - 1, 16, 0, 0), GuestAddress(TABLE + 16))
+        .unwrap();
+    // Every head of the queue, then heads outside it.
+    for slot in 0..QSIZE {
+        let head = if slot % 3 == 2 { QSIZE + slot } else { slot };
+        rig.mem
+            .write_obj(head, GuestAddress(rig.avail + 4 + 2 * u64::from(slot)))
+            .unwrap();
+    }
+    rig.mem
+        .write_obj(QSIZE, GuestAddress(rig.avail + 2))
+        .unwrap();
+    let gm = GuestMemory::from_mmap(rig.mem.clone());
+    let mut ring = DeviceRing::new(&gm, QSIZE, rig.addrs(), true, 0).unwrap();
+    assert_eq!(ring.refresh(), Ok(QSIZE));
+    ring.prefetch(&gm, usize::MAX);
+    ring.prefetch(&gm, 2);
+    assert_eq!(ring.next_avail(), 0, "prefetching pops nothing");
+    let popped: Vec<u16> = std::iter::from_fn(|| ring.pop()).collect();
+    let expected: Vec<u16> = (0..QSIZE)
+        .map(|s| if s % 3 == 2 { QSIZE + s } else { s })
+        .collect();
+    assert_eq!(popped, expected);
+}

@@ -41,6 +41,7 @@ use queue::{token, untoken, Queue, RateLimit, Stopping};
 use crate::blk::Blk;
 use crate::memory::GuestMemory;
 use crate::poll::Poll;
+use crate::stats::bump;
 use crate::stats::WorkerStats;
 
 /// Empty polling passes between two reads of the clock.
@@ -292,7 +293,7 @@ impl Worker {
                 if polling {
                     let spun = idle_since.map_or(Duration::ZERO, |t| self.now - t);
                     self.poll.hit(spun);
-                    self.stats.poll_hits.fetch_add(1, Ordering::Relaxed);
+                    bump(&self.stats.poll_hits, 1);
                     polling = false;
                 }
                 idle_since = None;
@@ -320,7 +321,7 @@ impl Worker {
             }
             if polling {
                 self.poll.miss();
-                self.stats.poll_misses.fetch_add(1, Ordering::Relaxed);
+                bump(&self.stats.poll_misses, 1);
                 polling = false;
             }
             self.stats
@@ -365,7 +366,7 @@ impl Worker {
                 timeout.min(ms as i32 + 1)
             };
         }
-        self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+        bump(&self.stats.sleeps, 1);
         // One sleep in poll::SAMPLE_EVERY is measured: the CPU this thread spends on it
         // (entering epoll, being switched out, woken and switched in) bounds the polling
         // window (poll.rs). A wait that found events at once did not sleep: not counted.
@@ -482,12 +483,8 @@ impl Worker {
     fn start(&mut self, start: QueueStart) {
         let gen = self.next_gen;
         self.next_gen = self.next_gen.wrapping_add(1);
-        let q = Queue::new(start, gen);
-        if let Err(e) = self.epoll.ctl(
-            ControlOperation::Add,
-            q.kick.as_raw_fd(),
-            EpollEvent::new(EventSet::IN, q.index as u64),
-        ) {
+        let mut q = Queue::new(start, gen);
+        if let Err(e) = watch_kick(&self.epoll, &mut q) {
             error!("queue {}: cannot watch its kick fd: {e}", q.index);
         }
         self.queues.push(q);
@@ -503,11 +500,7 @@ impl Worker {
             EpollEvent::default(),
         );
         q.kick = fd;
-        if let Err(e) = self.epoll.ctl(
-            ControlOperation::Add,
-            q.kick.as_raw_fd(),
-            EpollEvent::new(EventSet::IN, index as u64),
-        ) {
+        if let Err(e) = watch_kick(&self.epoll, q) {
             error!("queue {index}: cannot watch its new kick fd: {e}");
         }
     }
@@ -585,6 +578,8 @@ impl Worker {
         // The old I/O of heads to resubmit may still run in a queue stopped without waiting
         // for it (inflight tracking): resubmit them only once it is done.
         let old_io = self.zombies.iter().any(|z| z.index == q.index);
+        q.ring
+            .prefetch(&self.mem, self.depth.saturating_sub(self.in_flight));
         let mem = self.mem.mmap();
         let mut popped = false;
         while self.in_flight < self.depth {
@@ -669,7 +664,7 @@ impl Worker {
                 }
                 Err(Rejected::Answer { status_ptr, error }) => {
                     q.log_bad(format_args!("request {head}: {error}"));
-                    q.stats.rejected.fetch_add(1, Ordering::Relaxed);
+                    bump(&q.stats.rejected, 1);
                     // SAFETY: the parser translated status_ptr from a device-writable byte
                     // inside guest memory, which `self.mem` keeps mapped.
                     unsafe { status_ptr.write_volatile(error.status()) };
@@ -677,7 +672,7 @@ impl Worker {
                 }
                 Err(Rejected::Unanswerable(error)) => {
                     give_back(q);
-                    q.stats.rejected.fetch_add(1, Ordering::Relaxed);
+                    bump(&q.stats.rejected, 1);
                     q.stop_broken(format_args!("request {head} cannot be answered: {error}"));
                     break;
                 }
@@ -696,7 +691,7 @@ impl Worker {
                 if st == status::OK {
                     q.count_completed(head, self.now);
                 } else {
-                    q.stats.completed.fetch_add(1, Ordering::Relaxed);
+                    bump(&q.stats.completed, 1);
                 }
             }
         }
@@ -813,6 +808,22 @@ impl Worker {
     }
 }
 
+/// Watch a queue's kick fd in `epoll`: an eventfd edge-triggered (never read: every kick
+/// queues one event, and a wake-up costs one syscall less), anything else level-triggered
+/// (read on every event). Hang-ups and errors are reported either way.
+fn watch_kick(epoll: &Epoll, q: &mut Queue) -> io::Result<()> {
+    q.kick_edge = queue::is_eventfd(&q.kick);
+    let mut set = EventSet::IN;
+    if q.kick_edge {
+        set |= EventSet::EDGE_TRIGGERED;
+    }
+    epoll.ctl(
+        ControlOperation::Add,
+        q.kick.as_raw_fd(),
+        EpollEvent::new(set, q.index as u64),
+    )
+}
+
 /// This thread's CPU time (user and system), to the nanosecond.
 fn thread_cpu() -> Duration {
     let mut ts = libc::timespec {
@@ -865,7 +876,7 @@ fn complete(
     let (st, used_len) = match &result {
         Ok(_) => (status::OK, slot.req.used_len_ok()),
         Err(e) => {
-            q.stats.failed.fetch_add(1, Ordering::Relaxed);
+            bump(&q.stats.failed, 1);
             if log.allow() {
                 warn!(
                     "queue {}: {:?} of {} bytes at sector {} failed: {e}",

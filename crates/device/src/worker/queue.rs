@@ -73,6 +73,9 @@ pub(crate) struct Queue {
     /// Completions not yet published.
     pub used: Vec<(u16, u32)>,
     pub kick: File,
+    /// The kick fd is an eventfd watched edge-triggered: a kick is seen without reading
+    /// it (one syscall less per wake-up). Pipes are watched level-triggered and read.
+    pub kick_edge: bool,
     pub call: Option<File>,
     pub err: Option<File>,
     pub enabled: bool,
@@ -111,6 +114,7 @@ impl Queue {
                 .collect(),
             in_flight: 0,
             used: Vec::with_capacity(size),
+            kick_edge: false,
             kick: start.kick,
             call: start.call,
             err: start.err,
@@ -188,11 +192,20 @@ impl Queue {
         }
     }
 
-    /// Read a kick eventfd (non-blocking) so that a level-triggered poll sleeps again.
+    /// Read a level-triggered kick fd (non-blocking) so that the poll sleeps again.
     /// False when the fd is at end of file (a pipe whose writer went away).
     pub(crate) fn clear_kick(&self) -> bool {
-        clear_fd(&self.kick)
+        self.kick_edge || clear_fd(&self.kick)
     }
+}
+
+/// Whether `f` is an eventfd. An eventfd's counter saturates instead of filling up (the
+/// kernel's eventfd_signal caps it; a userspace writer would need 2^64 kicks), so it can
+/// be watched edge-triggered and never read. A pipe, which some frontends pass, fills up
+/// and must be read.
+pub(crate) fn is_eventfd(f: &File) -> bool {
+    std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd()))
+        .is_ok_and(|l| l.as_os_str() == "anon_inode:[eventfd]")
 }
 
 /// Tell the peer behind an eventfd (or pipe) something happened. Never blocks: the fd is
@@ -309,6 +322,24 @@ mod tests {
     fn tokens_round_trip() {
         assert_eq!(untoken(token(1023, 7, 65535)), (1023, 7, 65535));
         assert_eq!(untoken(token(0, 0, 0)), (0, 0, 0));
+    }
+
+    /// Eventfds are watched edge-triggered and never read; pipes (which fill up) and
+    /// anything else are read.
+    #[test]
+    fn only_eventfds_go_unread() {
+        use std::os::fd::FromRawFd;
+        let efd = vmm_sys_util::eventfd::EventFd::new(0).unwrap();
+        // SAFETY: a dup of a live eventfd, owned by the File from here on.
+        let f = unsafe { File::from_raw_fd(libc::dup(efd.as_raw_fd())) };
+        assert!(is_eventfd(&f));
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two fds into a live local array.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both ends were just created and are owned by these Files.
+        let (r, _w) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+        assert!(!is_eventfd(&r));
+        assert!(!is_eventfd(&tempfile::tempfile().unwrap()));
     }
 
     #[test]
