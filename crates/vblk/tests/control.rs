@@ -176,7 +176,9 @@ fn a_worker_that_sleeps_measures_the_cost_and_narrows_its_window() {
                 assert_eq!(n("poll_hits"), 0, "{w}");
             } else {
                 assert!(n("sleep_cost_ns") > 0, "a sleep was measured: {w}");
-                assert!(n("poll_misses") >= 40, "{w}");
+                // Windows that keep running out do not pay: then one idle period in
+                // poll::PROBE_EVERY (8) still spins, the others sleep at once.
+                assert!(n("poll_misses") >= 4, "{w}");
                 assert!(
                     n("poll_window_ns") < ceiling_ns,
                     "windows that run out, bounded by a sleep's cost, are under the ceiling: {w}"

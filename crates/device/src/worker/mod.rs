@@ -313,7 +313,10 @@ impl Worker {
                 continue;
             }
             let now = Instant::now();
-            let since = *idle_since.get_or_insert(now);
+            let since = *idle_since.get_or_insert_with(|| {
+                self.poll.idle();
+                now
+            });
             if now.duration_since(since) < self.poll.window() {
                 polling = true;
                 std::hint::spin_loop();
