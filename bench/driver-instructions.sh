@@ -9,7 +9,7 @@
 #   bash bench/driver-instructions.sh BIN_A BIN_B [PATHS]
 #
 # Needs valgrind (apt-get install valgrind). Instructions spent in setup (attach, option
-# parsing) are spread over the 51200 I/Os: a few per I/O, the same for both builds.
+# parsing) are spread over the 51 200 I/Os: a few per I/O, the same for both builds.
 set -euo pipefail
 A=${1:?usage: bench/driver-instructions.sh BIN_A BIN_B [PATHS]}
 B=${2:?usage: bench/driver-instructions.sh BIN_A BIN_B [PATHS]}
@@ -20,14 +20,16 @@ D=$(mktemp -d /var/tmp/vblk-instr.XXXXXX)
 SP=$!
 trap 'kill $SP 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$D"' EXIT
 for _ in $(seq 100); do [ -S "$D/s.sock" ] && break; sleep 0.1; done
-IOS=51200
+SIZE_MIB=200
+BS=4096
+IOS=$((SIZE_MIB * 1024 * 1024 / BS))
 printf '%-6s %-4s %14s %14s\n' path build "insn/I/O all" "insn/I/O driver"
 for p in $PATHS; do
   for b in A B; do
     if [ $b = A ]; then bin=$A; else bin=$B; fi
     out=$D/cg.$b.$p
     valgrind --tool=callgrind --callgrind-out-file="$out" "$bin" bench --socket "$D/s.sock" \
-      --bs=4k --rw=randwrite --iodepth=32 --size=200m --path "$p" --spin-us 0 >/dev/null 2>"$out.err"
+      --bs=$BS --rw=randwrite --iodepth=32 --size=${SIZE_MIB}m --path "$p" --spin-us 0 >/dev/null 2>"$out.err"
     callgrind_annotate --auto=no --threshold=100 "$out" 2>/dev/null | grep -v "PROGRAM TOTALS" |
       awk -v p="$p" -v b="$b" -v n="$IOS" '/^ *[0-9,]+ \(/ { x=$1; gsub(",", "", x); t+=x; if ($0 ~ /crates\/driver|vblk_driver/) d+=x }
         END { printf "%-6s %-4s %14.0f %14.0f\n", p, b, t/n, d/n }'

@@ -98,6 +98,9 @@ pub(crate) struct DeviceRing {
     next_used: u16,
     /// Available index last read (entries up to it may be popped without another read).
     seen_avail: u16,
+    /// Available entries before this index have been prefetched (a burst the worker could
+    /// not take at once is not prefetched again on every pass).
+    prefetched: u16,
 }
 
 // SAFETY: the pointers point into guest memory mappings that the owner keeps alive (the
@@ -125,6 +128,7 @@ impl DeviceRing {
             next_avail: base,
             next_used: base,
             seen_avail: base,
+            prefetched: base,
         };
         ring.bind(mem)?;
         // The used index carries on from what is in the ring (what this or an earlier
@@ -175,6 +179,7 @@ impl DeviceRing {
     pub(crate) fn set_next_avail(&mut self, next: u16) {
         self.next_avail = next;
         self.seen_avail = next;
+        self.prefetched = next;
     }
 
     /// The used index: what the device has published so far.
@@ -232,16 +237,25 @@ impl DeviceRing {
     /// after the other, a burst of N chains waits N times for each level, and prefetched
     /// it waits about once per level. Only hints: whatever is read here is bounds-checked
     /// before it is used as an address, never trusted, and read again by the walk.
-    pub(crate) fn prefetch(&self, mem: &GuestMemory, max: usize) {
+    pub(crate) fn prefetch(&mut self, mem: &GuestMemory, max: usize) {
         const LEVEL: usize = 32;
-        let n = usize::from(self.seen_avail.wrapping_sub(self.next_avail)).min(max.min(LEVEL));
+        let waiting = self.seen_avail.wrapping_sub(self.next_avail);
+        // Start after what an earlier pass prefetched, if that is still ahead of us.
+        let done = self.prefetched.wrapping_sub(self.next_avail);
+        let start = if done <= waiting {
+            self.prefetched
+        } else {
+            self.next_avail
+        };
+        let n = usize::from(self.seen_avail.wrapping_sub(start)).min(max.min(LEVEL));
         if n < 2 {
             // One chain: nothing to overlap its misses with.
             return;
         }
+        self.prefetched = start.wrapping_add(n as u16);
         let mut descs = [std::ptr::null::<u8>(); LEVEL];
         for (i, d) in descs.iter_mut().enumerate().take(n) {
-            let slot = usize::from(self.next_avail.wrapping_add(i as u16) % self.size);
+            let slot = usize::from(start.wrapping_add(i as u16) % self.size);
             let head = u16::from_le(
                 self.u16_at(self.avail, 4 + 2 * slot)
                     .load(Ordering::Relaxed),
