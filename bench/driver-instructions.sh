@@ -7,6 +7,7 @@
 # instructions per I/O of the whole bench process and of the driver crate.
 #
 #   bash bench/driver-instructions.sh BIN_A BIN_B [PATHS]
+#   RW=randread bash bench/driver-instructions.sh BIN_A BIN_B     (default randwrite)
 #
 # Needs valgrind (apt-get install valgrind). Instructions spent in setup (attach, option
 # parsing) are spread over the 51 200 I/Os: a few per I/O, the same for both builds.
@@ -22,6 +23,7 @@ trap 'kill $SP 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$D"' EXIT
 for _ in $(seq 100); do [ -S "$D/s.sock" ] && break; sleep 0.1; done
 SIZE_MIB=200
 BS=4096
+RW=${RW:-randwrite}
 IOS=$((SIZE_MIB * 1024 * 1024 / BS))
 printf '%-6s %-4s %14s %14s\n' path build "insn/I/O all" "insn/I/O driver"
 for p in $PATHS; do
@@ -29,7 +31,7 @@ for p in $PATHS; do
     if [ $b = A ]; then bin=$A; else bin=$B; fi
     out=$D/cg.$b.$p
     valgrind --tool=callgrind --callgrind-out-file="$out" "$bin" bench --socket "$D/s.sock" \
-      --bs=$BS --rw=randwrite --iodepth=32 --size=${SIZE_MIB}m --path "$p" --spin-us 0 >/dev/null 2>"$out.err"
+      --bs=$BS --rw=$RW --iodepth=32 --size=${SIZE_MIB}m --path "$p" --spin-us 0 >/dev/null 2>"$out.err"
     callgrind_annotate --auto=no --threshold=100 "$out" 2>/dev/null | grep -v "PROGRAM TOTALS" |
       awk -v p="$p" -v b="$b" -v n="$IOS" '/^ *[0-9,]+ \(/ { x=$1; gsub(",", "", x); t+=x; if ($0 ~ /crates\/driver|vblk_driver/) d+=x }
         END { printf "%-6s %-4s %14.0f %14.0f\n", p, b, t/n, d/n }'

@@ -16,7 +16,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::disk::{Limits, Shared};
 use crate::error::{Error, ErrorKind};
-use crate::io::{Io, Op, SubmitError};
+use crate::io::{Bufs, Io, Op, SubmitError};
 use crate::ring::{Seg, SplitRing};
 use crate::table::{Table, NONE};
 
@@ -186,6 +186,94 @@ impl Core {
         let sector = io.offset / 512;
         let pieces = u32::try_from(pieces).unwrap_or(u32::MAX);
         Ok(Some(self.table.insert(io, sector, bytes, pieces)))
+    }
+
+    // ---- the one-request fast path ----
+
+    /// Whether `io` is the I/O most callers send: a read or write of one buffer that fits
+    /// one descriptor (at most size_max bytes), so one request of three segments.
+    #[inline]
+    pub(crate) fn is_single(&self, io: &Io) -> bool {
+        matches!(io.op, Op::Read | Op::Write)
+            && matches!(&io.bufs, Bufs::One(b) if b.len() as u64 <= self.size_max)
+    }
+
+    /// [`Core::admit`] and [`Core::send`] in one pass for an I/O [`Core::is_single`]
+    /// accepts: the same checks, the same table entry and the same request, without the
+    /// general stages' per-I/O walk (request count, buffer walk, segment scratch list). The
+    /// path decides when it is published. On an error nothing was sent.
+    pub(crate) fn send_single(&mut self, io: Io) -> Result<(), SubmitError> {
+        let Bufs::One(b) = &io.bufs else {
+            unreachable!("send_single takes what is_single accepted")
+        };
+        let (gpa, len) = (b.gpa(), b.len() as u64);
+        let write = io.op == Op::Write;
+        let checked = self
+            .check_usable()
+            .and_then(|()| self.check_range(io.offset, len, write));
+        if let Err(error) = checked {
+            return Err(SubmitError {
+                error,
+                bufs: io.into_bufs(),
+            });
+        }
+        let need = self.ring.descriptors_for(3);
+        if self.ring.num_free() < need {
+            if let Err(error) = self.make_room(need) {
+                return Err(SubmitError {
+                    error,
+                    bufs: io.into_bufs(),
+                });
+            }
+        }
+        let head = self.ring.next_head();
+        let sector = io.offset / 512;
+        let aux = self.ring.aux(head);
+        let status = self.ring.status(head);
+        let hdr = RequestHeader {
+            type_: if write { req_type::OUT } else { req_type::IN }.to_le(),
+            ioprio: 0,
+            sector: sector.to_le(),
+        };
+        // SAFETY: aux points to head's 64-byte request area in the ring's shared memory and
+        // status to its status byte; head is free (make_room left room for the request it
+        // starts), so the device is not using either.
+        unsafe {
+            aux.cast::<RequestHeader>().write_volatile(hdr);
+            status.write_volatile(0xFF);
+        }
+        let segs = [
+            Seg {
+                addr: aux as u64,
+                len: HEADER_LEN as u32,
+                writable: false,
+            },
+            Seg {
+                addr: gpa,
+                len: len as u32,
+                writable: !write,
+            },
+            Seg {
+                addr: status as u64,
+                len: 1,
+                writable: true,
+            },
+        ];
+        let got = self.ring.add(&segs);
+        debug_assert_eq!(got, Some(head));
+        if got.is_none() {
+            return Err(SubmitError {
+                error: Error::new(
+                    ErrorKind::Protocol,
+                    "ring has no room after make_room".into(),
+                ),
+                bufs: io.into_bufs(),
+            });
+        }
+        let id = self.table.insert(io, sector, len, 1);
+        self.table.bind(head, id);
+        self.requests += 1;
+        Ok(())
     }
 
     // ---- building requests ----

@@ -161,6 +161,22 @@ impl Queue {
 
     /// Submit `io`. On an error nothing was sent and the buffers come back.
     pub fn submit(&mut self, io: Io) -> Result<(), SubmitError> {
+        // bio and batch send the common I/O (one buffer, one request) in one pass.
+        match self.path {
+            PathState::Bio if self.core.is_single(&io) => {
+                self.core.send_single(io)?;
+                self.core.publish();
+                return Ok(());
+            }
+            PathState::Batch(n) if self.core.is_single(&io) => {
+                self.core.send_single(io)?;
+                if self.core.ring.unpublished() >= n {
+                    self.core.publish();
+                }
+                return Ok(());
+            }
+            _ => {}
+        }
         let Some(id) = self.core.admit(io)? else {
             return Ok(());
         };
