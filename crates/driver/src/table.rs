@@ -48,6 +48,26 @@ pub(crate) struct Entry {
     pub waiters: u32,
 }
 
+impl Entry {
+    fn vacant() -> Entry {
+        Entry {
+            token: 0,
+            bufs: Bufs::None,
+            result: Ok(()),
+            remaining: 0,
+            next: NONE,
+            op: Op::Flush,
+            sector: 0,
+            bytes: 0,
+            pieces: 0,
+            fua: false,
+            flow: 0,
+            hidden: false,
+            waiters: NONE,
+        }
+    }
+}
+
 /// Every I/O in flight on one queue.
 #[derive(Debug)]
 pub(crate) struct Table {
@@ -96,21 +116,28 @@ impl Table {
     /// `remaining` requests to come.
     pub(crate) fn insert(&mut self, io: Io, sector: u64, bytes: u64, pieces: u32) -> u32 {
         self.in_flight += 1;
-        self.put(Entry {
-            token: io.token,
-            bufs: io.bufs,
-            result: Ok(()),
-            remaining: 1,
-            next: NONE,
-            op: io.op,
-            sector,
-            bytes,
-            pieces,
-            fua: io.fua && io.op == Op::Write,
-            flow: io.flow,
-            hidden: false,
-            waiters: NONE,
-        })
+        // Written field by field into its slot rather than built on the stack and moved:
+        // the move reads back, in wide loads, fields just stored narrow, which the store
+        // buffer cannot forward (perf: a tenth of the driver's time at 4 M IOPS).
+        let id = match self.free.pop() {
+            Some(i) => i,
+            None => self.put(Entry::vacant()),
+        };
+        let e = &mut self.entries[id as usize];
+        e.token = io.token;
+        e.bufs = io.bufs;
+        e.result = Ok(());
+        e.remaining = 1;
+        e.next = NONE;
+        e.op = io.op;
+        e.sector = sector;
+        e.bytes = bytes;
+        e.pieces = pieces;
+        e.fua = io.fua && io.op == Op::Write;
+        e.flow = io.flow;
+        e.hidden = false;
+        e.waiters = NONE;
+        id
     }
 
     fn put(&mut self, e: Entry) -> u32 {
