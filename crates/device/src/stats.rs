@@ -157,6 +157,9 @@ pub(crate) struct WorkerStats {
     pub sleep_cost_ns: AtomicU64,
     /// The polling window when the worker last went to sleep, ns.
     pub poll_window_ns: AtomicU64,
+    /// 1 while the last pair of polling/sleeping epochs found that the guest waits for the
+    /// worker's wake-ups (polling is kept on; poll.rs).
+    pub poll_forced: AtomicU64,
 }
 
 /// Everything, for one daemon.
@@ -201,6 +204,7 @@ impl Stats {
                     "sleeps": w.sleeps.load(Ordering::Relaxed),
                     "sleep_cost_ns": w.sleep_cost_ns.load(Ordering::Relaxed),
                     "poll_window_ns": w.poll_window_ns.load(Ordering::Relaxed),
+                    "poll_forced": w.poll_forced.load(Ordering::Relaxed) != 0,
                 })
             })
             .collect();

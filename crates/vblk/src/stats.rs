@@ -178,13 +178,18 @@ fn print_snapshot(v: &Value) {
     }
     for w in v["workers"].as_array().cloned().unwrap_or_default() {
         println!(
-            "worker {}: polling found work {} times, ran out {} times; slept {} times; a sleep costs {:.1} µs of CPU, polling window {:.1} µs",
+            "worker {}: polling found work {} times, ran out {} times; slept {} times; a sleep costs {:.1} µs of CPU, polling window {:.1} µs{}",
             u(&w["worker"]),
             u(&w["poll_hits"]),
             u(&w["poll_misses"]),
             u(&w["sleeps"]),
             u(&w["sleep_cost_ns"]) as f64 / 1e3,
-            u(&w["poll_window_ns"]) as f64 / 1e3
+            u(&w["poll_window_ns"]) as f64 / 1e3,
+            if w["poll_forced"].as_bool() == Some(true) {
+                " (kept on: the guest waits for wake-ups)"
+            } else {
+                ""
+            }
         );
     }
 }

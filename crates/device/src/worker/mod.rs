@@ -304,6 +304,7 @@ impl Worker {
                 // A busy period ends: credit its work to how the idle period before it
                 // ended (poll.rs compares polling's cost per unit of work with sleeping's).
                 self.poll.busy(std::mem::take(&mut self.work));
+                self.poll.tick(self.now, thread_cpu);
             }
             // While polling, read the clock once per IDLE_PASSES_PER_CLOCK empty passes:
             // it costs more than a pass, and the window need not be exact.
@@ -330,6 +331,9 @@ impl Worker {
             self.stats
                 .poll_window_ns
                 .store(nanos(self.poll.window()), Ordering::Relaxed);
+            self.stats
+                .poll_forced
+                .store(u64::from(self.poll.forced()), Ordering::Relaxed);
             if self.rearm() {
                 // Work came in while re-arming: the window's spin found it after all.
                 if let Some(t) = idle_since {
