@@ -240,6 +240,8 @@ pub(crate) struct Shared {
     /// Keeps the control connection open while any queue lives (and reads the
     /// configuration again when it changes).
     pub frontend: Mutex<Frontend>,
+    /// `auto`'s rounds, run by all the disk's queues together.
+    pub auto: crate::path::auto::AutoDisk,
     _region: Arc<Region>,
 }
 
@@ -613,6 +615,7 @@ impl Disk {
             dead: AtomicBool::new(false),
             capacity: AtomicU64::new(info.capacity_bytes),
             frontend: Mutex::new(fe),
+            auto: crate::path::auto::AutoDisk::new(),
             _region: region,
         });
         if let Some(ch) = channel {

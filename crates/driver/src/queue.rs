@@ -142,7 +142,7 @@ impl Queue {
     /// What `auto` chose and why, on `auto`.
     pub fn auto_report(&self) -> Option<AutoReport> {
         match &self.path {
-            PathState::Auto(a) => Some(a.report()),
+            PathState::Auto(a) => Some(a.report(&self.core.shared.auto)),
             _ => None,
         }
     }

@@ -452,45 +452,128 @@ fn auto_follows_the_devices_hint_and_otherwise_measures_and_remeasures() {
     assert!(!disk.info().hints.rotational);
     let mut bufs: Vec<_> = (0..8).map(|_| Some(q.alloc(65536).unwrap())).collect();
     let mut rng = Rng(3);
-    let mut phase =
-        |q: &mut Queue, bufs: &mut Vec<Option<vblk_driver::Buffer>>, n: usize, big: bool| {
-            let mut seq = 0u64;
-            for i in 0..n {
-                let slot = i % bufs.len();
-                if bufs[slot].is_none() {
-                    let c = q.wait(Some(Duration::from_secs(30))).unwrap();
-                    c.result.unwrap();
-                    bufs[c.token as usize] = c.bufs.into_one();
-                }
-                let mut slot = slot;
-                if bufs[slot].is_none() {
-                    slot = bufs.iter().position(Option::is_some).unwrap();
-                }
-                let mut b = bufs[slot].take().unwrap();
-                let io = if big {
-                    b.set_len(65536).unwrap();
-                    seq = (seq + 16) % 8192;
-                    Io::write(seq * 4096, b, slot as u64)
-                } else {
-                    b.set_len(4096).unwrap();
-                    Io::read((rng.next() % 8192) * 4096, b, slot as u64)
-                };
-                q.submit(io).unwrap();
-                q.unplug();
+    // A phase runs its workload until `done` says so (rounds are timed: 100 ms after the
+    // first I/Os, then six 30 ms slots and one to settle), at most 60 s.
+    let mut phase = |q: &mut Queue,
+                     bufs: &mut Vec<Option<vblk_driver::Buffer>>,
+                     big: bool,
+                     done: &dyn Fn(&vblk_driver::AutoReport) -> bool| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let mut seq = 0u64;
+        for i in 0.. {
+            if i % 256 == 0 && done(&q.auto_report().unwrap()) {
+                break;
             }
-            while q.in_flight() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{:?}",
+                q.auto_report()
+            );
+            let slot = i % bufs.len();
+            if bufs[slot].is_none() {
                 let c = q.wait(Some(Duration::from_secs(30))).unwrap();
                 c.result.unwrap();
                 bufs[c.token as usize] = c.bufs.into_one();
             }
-        };
-    phase(&mut q, &mut bufs, 40_000, false);
+            let mut slot = slot;
+            if bufs[slot].is_none() {
+                slot = bufs.iter().position(Option::is_some).unwrap();
+            }
+            let mut b = bufs[slot].take().unwrap();
+            let io = if big {
+                b.set_len(65536).unwrap();
+                seq = (seq + 16) % 8192;
+                Io::write(seq * 4096, b, slot as u64)
+            } else {
+                b.set_len(4096).unwrap();
+                Io::read((rng.next() % 8192) * 4096, b, slot as u64)
+            };
+            q.submit(io).unwrap();
+            q.unplug();
+        }
+        while q.in_flight() > 0 {
+            let c = q.wait(Some(Duration::from_secs(30))).unwrap();
+            c.result.unwrap();
+            bufs[c.token as usize] = c.bufs.into_one();
+        }
+    };
+    phase(&mut q, &mut bufs, false, &|r| r.choices >= 1);
     let r = q.auto_report().unwrap();
-    assert!(r.choices >= 1, "{r:?}");
     assert_eq!(r.trials.len(), 3, "{r:?}");
     assert!(r.trials.iter().all(|t| t.iops > 0.0), "{r:?}");
+    // The same workload for another second: no new round (the next is due after 8 s).
     let first = r.choices;
-    phase(&mut q, &mut bufs, 40_000, true);
-    let r = q.auto_report().unwrap();
-    assert!(r.choices > first, "a new workload is measured again: {r:?}");
+    let until = std::time::Instant::now() + Duration::from_secs(1);
+    phase(&mut q, &mut bufs, false, &|_| {
+        std::time::Instant::now() >= until
+    });
+    assert_eq!(
+        q.auto_report().unwrap().choices,
+        first,
+        "an unchanged workload"
+    );
+    // 64 KiB sequential writes instead of 4 KiB random reads: measured again.
+    phase(&mut q, &mut bufs, true, &|r| r.choices > first);
+}
+
+#[test]
+fn auto_chooses_once_for_the_whole_disk_with_every_queue_in_the_same_slots() {
+    // Four queues on four threads, more than this machine's CPUs: each thread gets the CPU
+    // in bursts, so trials on one queue alone would measure the scheduler. The disk runs
+    // one round: every queue runs the same path in the same slot and takes the same choice.
+    let (_d, sock) = start(mem_device(4));
+    let opts = DiskOptions {
+        num_queues: Some(4),
+        queue: QueueOptions {
+            path: PathKind::Auto,
+            ..QueueOptions::default()
+        },
+        ..DiskOptions::default()
+    };
+    let disk = Disk::attach(&sock, &opts).unwrap();
+    let queues: Vec<Queue> = (0..4).map(|i| disk.take_queue(i).unwrap()).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let reports: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = queues
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut q)| {
+                s.spawn(move || {
+                    let mut rng = Rng(i as u64 + 7);
+                    let mut free: Vec<_> = (0..8).map(|_| q.alloc(4096).unwrap()).collect();
+                    let mut after_choice = 0;
+                    while after_choice < 2000 {
+                        assert!(std::time::Instant::now() < deadline, "no choice in 60 s");
+                        while let Some(b) = free.pop() {
+                            q.submit(Io::read((rng.next() % 16384) * 4096, b, 0))
+                                .unwrap();
+                        }
+                        q.unplug();
+                        let c = q.wait(Some(Duration::from_secs(30))).unwrap();
+                        c.result.unwrap();
+                        free.push(c.bufs.into_one().unwrap());
+                        let r = q.auto_report().unwrap();
+                        if r.choices >= 1 && r.reason != "trials in progress" {
+                            after_choice += 1;
+                        }
+                    }
+                    while q.in_flight() > 0 {
+                        q.wait(Some(Duration::from_secs(30))).unwrap();
+                    }
+                    q.auto_report().unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let first = &reports[0];
+    assert_eq!(first.trials.len(), 3, "{first:?}");
+    assert!(first.trials.iter().all(|t| t.iops > 0.0), "{first:?}");
+    for r in &reports {
+        assert!(r.choices >= 1, "{r:?}");
+        assert_eq!(
+            r.current, first.current,
+            "one choice for the disk: {reports:?}"
+        );
+    }
 }

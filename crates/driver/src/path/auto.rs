@@ -1,4 +1,4 @@
-//! `auto`: the driver picks the path per queue.
+//! `auto`: the driver picks the path per disk.
 //!
 //! "If this optimization depends on the host, then it should be reported to the guest" —
 //! and where the host does not say, measured. Two inputs:
@@ -11,20 +11,37 @@
 //!    one head serves one request at a time, so deeper dispatch only moves the queue from
 //!    the elevator, where requests merge and are sorted, to the device, where they wait in
 //!    arrival order.
-//! 2. **What it measures.** Otherwise bio, batch and request are each tried on the live
-//!    workload in short trials (a few thousand I/Os or 30 ms each, twice, in the order
-//!    A B C C B A so that drift cancels); the path with the most I/Os per second wins, and
-//!    among paths within 3 % of it the one with the least CPU time per I/O (a paced workload
-//!    gets the same IOPS on every path; then CPU decides). A path already in use that is
-//!    still within 3 % of the best stays (no flapping between equals on noise). The workload's signature — read
-//!    share, I/O size, sequential share, depth — is recorded with the choice and checked
-//!    every few thousand I/Os; when it changes the trials run again, and also after 32
-//!    checks regardless — 64, 128, … up to 1024 checks while the trials keep choosing the
-//!    same path, so that a steady workload pays less and less for being re-measured.
+//! 2. **What it measures.** Otherwise bio, batch and request are tried on the live workload
+//!    in a *round* of six time slots of 30 ms, in the order A B C C B A so that drift
+//!    cancels, and **every queue of the disk runs the same path in the same slot**: the
+//!    round is one clock shared by the disk's queues ([`AutoDisk`]), and each queue adds
+//!    the I/Os it completed in a slot to the disk's count for that slot. The path whose
+//!    slots completed the most I/Os wins, and among paths within 3 % of it the one with
+//!    the least CPU time per I/O (a paced workload gets the same IOPS on every path; then
+//!    CPU decides). A path already in use that is still within 3 % of the best stays (no
+//!    flapping between equals on noise).
+//!
+//!    Why per disk and in lockstep: with more submitting threads than CPUs (the 16-job
+//!    matrix on 2 CPUs), a trial on one queue mostly measures how much CPU the scheduler
+//!    gave its thread in those 30 ms (one path's trials varied tenfold between queues of
+//!    one run), and so each queue chose nearly at random. The disk's total over a slot is
+//!    what the paths change, and it does not depend on which thread had the CPU.
+//!
+//!    Each queue checks its workload's signature — read share, I/O size, sequential
+//!    share, depth — every few thousand I/Os; when it moves away from the one the last
+//!    round was run for, that queue starts a new round for the disk. An unchanged workload
+//!    is measured again after 8 s, then 16 s, ... up to 256 s while the rounds keep
+//!    choosing the same path. The first round starts 100 ms after the first I/Os, once
+//!    the workload has settled (threads started, memory touched).
 //!
 //! Switching away from the request path first lets everything it holds go to the ring, so
 //! the ordering promises (flush barriers) hold across switches.
+//!
+//! Cost on the hot path: between rounds, a counter per completion and, every 16, two
+//! relaxed loads of the disk's round state (a line written once per round); during a
+//! round, a clock read every 4 completions and one atomic add per queue per slot.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::dispatch::Core;
@@ -36,19 +53,29 @@ use crate::queue::QueueOptions;
 /// Requests on the ring at once on a rotational disk: one being served, one ready behind
 /// it so that the head does not wait for a round trip between requests.
 pub const ROTATIONAL_DEPTH: u16 = 2;
-/// I/Os per trial at most, at least, and the time after which a trial ends anyway.
-const TRIAL_IOS: u64 = 4096;
-const TRIAL_MIN_IOS: u64 = 32;
-const TRIAL_TIME: Duration = Duration::from_millis(30);
-/// While running the chosen path: how often the signature is checked.
+/// The paths a round tries, and the order of its slots (indices into it).
+const CANDIDATES: [PathKind; 3] = [PathKind::Bio, PathKind::Batch, PathKind::Request];
+const SCHEDULE: [usize; 6] = [0, 1, 2, 2, 1, 0];
+const STEPS: usize = SCHEDULE.len();
+/// One slot of a round, at first; doubled (up to [`SLOT_MAX`]) while a slot sees fewer
+/// than [`SLOT_MIN_IOS`] I/Os on the whole disk.
+const SLOT: Duration = Duration::from_millis(30);
+const SLOT_MAX: Duration = Duration::from_millis(480);
+const SLOT_MIN_IOS: u64 = 256;
+/// The first round starts this long after the disk's first I/Os.
+const FIRST_DELAY: Duration = Duration::from_millis(100);
+/// While running the chosen path: how often a queue checks its workload's signature.
 const CHECK_IOS: u64 = 16384;
 const CHECK_TIME: Duration = Duration::from_millis(250);
-/// Checks after which the trials run again even if the workload looks the same: at first,
-/// and at most (the interval doubles while the trials keep choosing the same path).
-const CHECKS_PER_CHOICE: u32 = 32;
-const CHECKS_PER_CHOICE_MAX: u32 = 1024;
+/// An unchanged workload is measured again after this long at first, and at most (the
+/// interval doubles while the rounds keep choosing the same path).
+const RECHECK: Duration = Duration::from_secs(8);
+const RECHECK_MAX: Duration = Duration::from_secs(256);
 /// IOPS within this fraction of the best count as equal; CPU per I/O decides.
 const IOPS_TIE: f64 = 0.03;
+/// `AutoDisk::start` when no round runs, and while one is being set up or decided.
+const IDLE: u64 = u64::MAX;
+const CLAIMED: u64 = u64::MAX - 1;
 
 /// The measurements behind one choice.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -124,13 +151,6 @@ impl Window {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default)]
-struct Tally {
-    ios: u64,
-    wall_ns: u64,
-    cpu_ns: u64,
-}
-
 fn thread_cpu_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -141,75 +161,242 @@ fn thread_cpu_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+fn ns(d: Duration) -> u64 {
+    d.as_nanos() as u64
+}
+
+/// The disk-wide half of `auto`, shared by the disk's queues: the round's clock, the I/Os
+/// and CPU time every queue completed in each slot, and the last choice. Written a few
+/// times per slot per queue during a round and once per round otherwise; never locked.
+#[derive(Debug)]
+pub(crate) struct AutoDisk {
+    base: Instant,
+    /// Rounds begun.
+    round: AtomicU64,
+    /// When the running round's first slot starts, ns after `base`: [`IDLE`] between
+    /// rounds, [`CLAIMED`] while one queue sets a round up or decides it.
+    start: AtomicU64,
+    /// The length of a slot, ns.
+    slot: AtomicU64,
+    /// Per slot of the running round: I/Os completed and submitting threads' CPU time.
+    ios: [AtomicU64; STEPS],
+    cpu_ns: [AtomicU64; STEPS],
+    /// Rounds decided, and the index in [`CANDIDATES`] of the last one's choice.
+    decided: AtomicU64,
+    pick: AtomicU64,
+    /// When an unchanged workload is due to be measured again (ns after `base`), and the
+    /// interval that set it.
+    recheck_at: AtomicU64,
+    recheck: AtomicU64,
+    /// The last round's figures per candidate (f64 bits): IOPS, µs of CPU per I/O.
+    iops: [AtomicU64; 3],
+    cpu_us: [AtomicU64; 3],
+}
+
+impl AutoDisk {
+    pub(crate) fn new() -> AutoDisk {
+        AutoDisk {
+            base: Instant::now(),
+            round: AtomicU64::new(0),
+            start: AtomicU64::new(IDLE),
+            slot: AtomicU64::new(ns(SLOT)),
+            ios: Default::default(),
+            cpu_ns: Default::default(),
+            decided: AtomicU64::new(0),
+            pick: AtomicU64::new(0),
+            recheck_at: AtomicU64::new(u64::MAX),
+            recheck: AtomicU64::new(ns(RECHECK)),
+            iops: Default::default(),
+            cpu_us: Default::default(),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        ns(self.base.elapsed())
+    }
+
+    /// Start a round `delay` from now, unless one runs.
+    fn begin(&self, delay: Duration) {
+        if self
+            .start
+            .compare_exchange(IDLE, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return;
+        }
+        // Nobody adds to the tallies while no round runs.
+        for k in 0..STEPS {
+            self.ios[k].store(0, Ordering::Relaxed);
+            self.cpu_ns[k].store(0, Ordering::Relaxed);
+        }
+        self.round.fetch_add(1, Ordering::AcqRel);
+        self.start.store(self.now() + ns(delay), Ordering::Release);
+    }
+
+    /// A queue of round `round` completed `ios` I/Os in slot `k`, with `cpu` ns of its
+    /// thread's CPU time.
+    fn add(&self, round: u64, k: usize, ios: u64, cpu: u64) {
+        if self.round.load(Ordering::Acquire) == round
+            && self.start.load(Ordering::Acquire) < CLAIMED
+        {
+            self.ios[k].fetch_add(ios, Ordering::Relaxed);
+            self.cpu_ns[k].fetch_add(cpu, Ordering::Relaxed);
+        }
+    }
+
+    /// End round `started_at` (its `start`): one queue wins the right to decide, picks,
+    /// and publishes the choice. False if another queue decides it.
+    fn decide(&self, started_at: u64) -> bool {
+        if self
+            .start
+            .compare_exchange(started_at, CLAIMED, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return false;
+        }
+        let slot = self.slot.load(Ordering::Relaxed);
+        let trials: Vec<AutoTrial> = (0..CANDIDATES.len())
+            .map(|c| {
+                let (mut ios, mut cpu) = (0, 0);
+                for k in (0..STEPS).filter(|&k| SCHEDULE[k] == c) {
+                    ios += self.ios[k].load(Ordering::Relaxed);
+                    cpu += self.cpu_ns[k].load(Ordering::Relaxed);
+                }
+                let slots = SCHEDULE.iter().filter(|&&i| i == c).count() as f64;
+                AutoTrial {
+                    path: CANDIDATES[c],
+                    iops: ios as f64 / (slots * slot as f64 / 1e9),
+                    cpu_us_per_io: cpu as f64 / 1e3 / ios.max(1) as f64,
+                }
+            })
+            .collect();
+        let previous = (self.decided.load(Ordering::Relaxed) > 0)
+            .then(|| CANDIDATES[self.pick.load(Ordering::Relaxed) as usize]);
+        let (pick, kept) = choose(&trials, previous);
+        let recheck = if kept {
+            (self.recheck.load(Ordering::Relaxed) * 2).min(ns(RECHECK_MAX))
+        } else {
+            ns(RECHECK)
+        };
+        let fewest = (0..STEPS)
+            .map(|k| self.ios[k].load(Ordering::Relaxed))
+            .min()
+            .unwrap_or(0);
+        if fewest < SLOT_MIN_IOS {
+            self.slot
+                .store((slot * 2).min(ns(SLOT_MAX)), Ordering::Relaxed);
+        }
+        for (c, t) in trials.iter().enumerate() {
+            self.iops[c].store(t.iops.to_bits(), Ordering::Relaxed);
+            self.cpu_us[c].store(t.cpu_us_per_io.to_bits(), Ordering::Relaxed);
+        }
+        let index = CANDIDATES.iter().position(|&p| p == pick).unwrap_or(0);
+        self.pick.store(index as u64, Ordering::Relaxed);
+        self.recheck.store(recheck, Ordering::Relaxed);
+        self.recheck_at
+            .store(self.now() + recheck, Ordering::Relaxed);
+        self.decided.fetch_add(1, Ordering::Release);
+        self.start.store(IDLE, Ordering::Release);
+        true
+    }
+
+    fn trials(&self) -> Vec<AutoTrial> {
+        if self.decided.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
+        (0..CANDIDATES.len())
+            .map(|c| AutoTrial {
+                path: CANDIDATES[c],
+                iops: f64::from_bits(self.iops[c].load(Ordering::Relaxed)),
+                cpu_us_per_io: f64::from_bits(self.cpu_us[c].load(Ordering::Relaxed)),
+            })
+            .collect()
+    }
+}
+
+/// The choice from a round's figures: the most IOPS; among paths within [`IOPS_TIE`] of
+/// it, `previous` if it is one of them (kept: true), else the least CPU per I/O.
+fn choose(trials: &[AutoTrial], previous: Option<PathKind>) -> (PathKind, bool) {
+    let best = trials.iter().map(|t| t.iops).fold(0.0, f64::max);
+    let tied = || {
+        trials
+            .iter()
+            .filter(move |t| t.iops >= best * (1.0 - IOPS_TIE))
+    };
+    match previous {
+        Some(p) if tied().any(|t| t.path == p) => (p, true),
+        _ => (
+            tied()
+                .min_by(|a, b| a.cpu_us_per_io.total_cmp(&b.cpu_us_per_io))
+                .map_or(PathKind::Bio, |t| t.path),
+            false,
+        ),
+    }
+}
+
+/// Where a queue is in the disk's rounds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Stage {
+    /// Running the chosen path; checking the workload's signature.
+    Chosen,
+    /// In round `round` (which starts at `start`), in slot `step` (STEPS: the round's
+    /// slots are over, waiting for its decision), or None before its first slot.
+    Round {
+        round: u64,
+        start: u64,
+        step: Option<usize>,
+    },
+}
+
 #[derive(Debug)]
 pub(crate) struct Auto {
     pub request: RequestPath,
     batch: u16,
     mode: PathKind,
-    candidates: Vec<PathKind>,
     rotational: bool,
-    /// Trial schedule (indices into `candidates`) and the step being run; None: running
-    /// the chosen path.
-    schedule: Vec<usize>,
-    step: Option<usize>,
-    tallies: Vec<Tally>,
+    stage: Stage,
+    /// I/Os completed in the current slot, and the thread's CPU time when it began.
+    slot_ios: u64,
+    slot_cpu: u64,
+    /// Rounds decided whose choice this queue follows.
+    decided: u64,
+    /// The signature check window: I/Os completed and when it began.
     phase_ios: u64,
     phase_start: Instant,
-    phase_cpu: u64,
     window: Window,
     last_end: u64,
     chosen: Signature,
-    checks: u32,
-    /// Checks before the next re-trial of an unchanged workload.
-    recheck_after: u32,
-    /// The path the last trials chose.
-    last_pick: Option<PathKind>,
-    choices: u64,
-    trials: Vec<AutoTrial>,
 }
 
 impl Auto {
     pub(crate) fn new(opts: &QueueOptions, ring_size: u16, rotational: bool) -> Auto {
-        let candidates = if rotational {
-            vec![PathKind::Request]
-        } else {
-            vec![PathKind::Bio, PathKind::Batch, PathKind::Request]
-        };
         let mut request = opts.request;
         if rotational && request.queue_depth == 0 {
             request.queue_depth = ROTATIONAL_DEPTH;
         }
-        let n = candidates.len();
-        let schedule: Vec<usize> = (0..n).chain((0..n).rev()).collect();
-        let mut a = Auto {
+        Auto {
             request: RequestPath::new(request, ring_size),
             batch: opts.batch.max(1),
-            mode: candidates[0],
+            mode: if rotational {
+                PathKind::Request
+            } else {
+                PathKind::Bio
+            },
             rotational,
-            step: None,
-            tallies: vec![Tally::default(); n],
-            candidates,
-            schedule,
+            stage: Stage::Chosen,
+            slot_ios: 0,
+            slot_cpu: 0,
+            decided: 0,
             phase_ios: 0,
             phase_start: Instant::now(),
-            phase_cpu: 0,
             window: Window::default(),
             last_end: u64::MAX,
             chosen: Signature::default(),
-            checks: 0,
-            recheck_after: CHECKS_PER_CHOICE,
-            last_pick: None,
-            choices: 0,
-            trials: Vec::new(),
-        };
-        if !rotational {
-            a.step = Some(0);
         }
-        a.start_phase();
-        a
     }
 
-    pub(crate) fn report(&self) -> AutoReport {
+    pub(crate) fn report(&self, disk: &AutoDisk) -> AutoReport {
+        let decided = disk.decided.load(Ordering::Acquire);
         AutoReport {
             current: self.mode,
             reason: if self.rotational {
@@ -218,24 +405,27 @@ impl Auto {
                      queue depth {}",
                     self.request.opts.elevator, self.request.opts.queue_depth
                 )
-            } else if self.step.is_some() {
+            } else if matches!(self.stage, Stage::Round { .. }) {
                 "trials in progress".into()
+            } else if decided == 0 {
+                "no trials yet".into()
             } else {
-                "the best of the last trials".into()
+                "the best of the disk's last trials".into()
             },
-            choices: self.choices,
-            trials: self.trials.clone(),
+            choices: if self.rotational { 0 } else { decided },
+            trials: if self.rotational {
+                Vec::new()
+            } else {
+                disk.trials()
+            },
         }
     }
 
-    fn start_phase(&mut self) {
-        self.phase_ios = 0;
-        self.phase_start = Instant::now();
-        self.phase_cpu = thread_cpu_ns();
-    }
-
     fn switch(&mut self, core: &mut Core, to: PathKind) {
-        if self.mode == PathKind::Request && to != PathKind::Request {
+        if self.mode == to {
+            return;
+        }
+        if self.mode == PathKind::Request {
             self.request.drain(core);
         } else {
             core.publish();
@@ -282,95 +472,111 @@ impl Auto {
 
     /// The caller took `n` completions.
     pub(crate) fn completed(&mut self, core: &mut Core, n: u64) {
+        if self.rotational {
+            return;
+        }
         self.phase_ios += n;
-        let (min, max, time) = match self.step {
-            Some(_) => (TRIAL_MIN_IOS, TRIAL_IOS, TRIAL_TIME),
-            None => (TRIAL_MIN_IOS, CHECK_IOS, CHECK_TIME),
-        };
-        if self.phase_ios < min {
-            return;
-        }
-        if self.phase_ios < max && (self.phase_ios & 15 != 0 || self.phase_start.elapsed() < time) {
-            return;
-        }
-        self.end_phase(core);
-    }
-
-    fn end_phase(&mut self, core: &mut Core) {
-        match self.step {
-            Some(step) => {
-                let i = self.schedule[step];
-                let t = &mut self.tallies[i];
-                t.ios += self.phase_ios;
-                t.wall_ns += self.phase_start.elapsed().as_nanos() as u64;
-                t.cpu_ns += thread_cpu_ns().saturating_sub(self.phase_cpu);
-                if step + 1 < self.schedule.len() {
-                    self.step = Some(step + 1);
-                    let next = self.candidates[self.schedule[step + 1]];
-                    self.switch(core, next);
-                } else {
-                    self.choose(core);
+        self.slot_ios += n;
+        match self.stage {
+            Stage::Round { .. } => {
+                if self.phase_ios & 3 == 0 {
+                    self.follow(core);
                 }
-                self.window = Window::default();
             }
-            None => {
-                let sig = self.window.signature();
-                self.window = Window::default();
-                self.checks += 1;
-                if sig.differs(&self.chosen) {
-                    // A new workload: what was chosen for the old one counts for nothing.
-                    self.last_pick = None;
+            Stage::Chosen => {
+                if self.phase_ios & 15 != 0 {
+                    return;
                 }
-                if !self.rotational
-                    && (sig.differs(&self.chosen) || self.checks >= self.recheck_after)
+                let disk = &core.shared.auto;
+                if disk.start.load(Ordering::Relaxed) < CLAIMED
+                    || disk.decided.load(Ordering::Relaxed) != self.decided
                 {
-                    self.checks = 0;
-                    self.tallies.iter_mut().for_each(|t| *t = Tally::default());
-                    self.step = Some(0);
-                    let first = self.candidates[self.schedule[0]];
-                    self.switch(core, first);
+                    self.follow(core);
+                } else if disk.decided.load(Ordering::Relaxed) == 0 {
+                    // The disk's first I/Os: measure once they have settled.
+                    disk.begin(FIRST_DELAY);
+                } else if self.phase_ios >= CHECK_IOS || self.phase_start.elapsed() >= CHECK_TIME {
+                    self.check(core);
                 }
             }
         }
-        self.start_phase();
     }
 
-    fn choose(&mut self, core: &mut Core) {
-        self.trials = self
-            .candidates
-            .iter()
-            .zip(&self.tallies)
-            .map(|(&path, t)| AutoTrial {
-                path,
-                iops: t.ios as f64 / (t.wall_ns.max(1) as f64 / 1e9),
-                cpu_us_per_io: t.cpu_ns as f64 / 1e3 / t.ios.max(1) as f64,
-            })
-            .collect();
-        let best = self.trials.iter().map(|t| t.iops).fold(0.0, f64::max);
-        let tied = || {
-            self.trials
-                .iter()
-                .filter(move |t| t.iops >= best * (1.0 - IOPS_TIE))
-        };
-        // Hysteresis: a path that is still among the best stays, and the workload is
-        // re-measured less often; otherwise the least CPU per I/O among the best wins.
-        let pick = match self.last_pick {
-            Some(p) if tied().any(|t| t.path == p) => {
-                self.recheck_after = (self.recheck_after * 2).min(CHECKS_PER_CHOICE_MAX);
-                p
+    /// The end of a signature window while running the chosen path: a changed workload,
+    /// or one due to be measured again, starts a round for the disk.
+    fn check(&mut self, core: &mut Core) {
+        let disk = &core.shared.auto;
+        let sig = self.window.signature();
+        self.window = Window::default();
+        self.phase_ios = 0;
+        self.phase_start = Instant::now();
+        if sig.differs(&self.chosen) || disk.now() >= disk.recheck_at.load(Ordering::Relaxed) {
+            disk.begin(SLOT);
+        }
+    }
+
+    /// Follow the disk's round: join it, run the path of the current slot (adding what
+    /// this queue completed in the previous one to the disk's count), decide it once its
+    /// slots are over, and take the decision.
+    fn follow(&mut self, core: &mut Core) {
+        let disk = &core.shared.auto;
+        let start = disk.start.load(Ordering::Acquire);
+        if start >= CLAIMED {
+            let decided = disk.decided.load(Ordering::Acquire);
+            if decided != self.decided {
+                self.adopt(core, decided);
             }
-            _ => {
-                self.recheck_after = CHECKS_PER_CHOICE;
-                tied()
-                    .min_by(|a, b| a.cpu_us_per_io.total_cmp(&b.cpu_us_per_io))
-                    .map_or(PathKind::Bio, |t| t.path)
-            }
+            return;
+        }
+        let round = disk.round.load(Ordering::Acquire);
+        let (step, joined) = match self.stage {
+            Stage::Round { round: r, step, .. } if r == round => (step, false),
+            _ => (None, true),
         };
-        self.last_pick = Some(pick);
-        self.choices += 1;
-        self.step = None;
+        if joined {
+            self.window = Window::default();
+        }
+        let now = disk.now();
+        let k =
+            (now >= start).then(|| ((now - start) / disk.slot.load(Ordering::Relaxed)) as usize);
+        let k = k.map(|k| k.min(STEPS));
+        let mut to = None;
+        if k != step {
+            if let Some(prev) = step.filter(|&s| s < STEPS) {
+                let cpu = thread_cpu_ns().saturating_sub(self.slot_cpu);
+                disk.add(round, prev, self.slot_ios, cpu);
+            }
+            self.slot_ios = 0;
+            if let Some(k) = k {
+                self.slot_cpu = thread_cpu_ns();
+                to = (k < STEPS).then(|| CANDIDATES[SCHEDULE[k]]);
+            }
+        }
+        self.stage = Stage::Round {
+            round,
+            start,
+            step: k,
+        };
+        // The slots are over: after one more slot (for every queue to add its last
+        // count), decide.
+        let slot = disk.slot.load(Ordering::Relaxed);
+        if now >= start + (STEPS as u64 + 1) * slot && disk.decide(start) {
+            let decided = disk.decided.load(Ordering::Acquire);
+            self.adopt(core, decided);
+        } else if let Some(to) = to {
+            self.switch(core, to);
+        }
+    }
+
+    /// Take the disk's decision number `decided`.
+    fn adopt(&mut self, core: &mut Core, decided: u64) {
+        let pick = CANDIDATES[core.shared.auto.pick.load(Ordering::Relaxed) as usize];
+        self.decided = decided;
+        self.stage = Stage::Chosen;
         self.chosen = self.window.signature();
-        self.checks = 0;
+        self.window = Window::default();
+        self.phase_ios = 0;
+        self.phase_start = Instant::now();
         self.switch(core, pick);
     }
 }
@@ -386,6 +592,99 @@ mod tests {
             sequential,
             depth,
         }
+    }
+
+    fn trial(path: PathKind, iops: f64, cpu_us_per_io: f64) -> AutoTrial {
+        AutoTrial {
+            path,
+            iops,
+            cpu_us_per_io,
+        }
+    }
+
+    #[test]
+    fn the_most_iops_win_and_cpu_breaks_ties_and_the_path_in_use_stays_among_equals() {
+        use PathKind::{Batch, Bio, Request};
+        let t = [
+            trial(Bio, 1.00e6, 0.5),
+            trial(Batch, 1.10e6, 0.6),
+            trial(Request, 0.90e6, 0.4),
+        ];
+        assert_eq!(choose(&t, None), (Batch, false));
+        let t = [
+            trial(Bio, 1.00e6, 0.5),
+            trial(Batch, 1.02e6, 0.6),
+            trial(Request, 0.90e6, 0.4),
+        ];
+        assert_eq!(choose(&t, None), (Bio, false), "within 3 %: less CPU");
+        assert_eq!(
+            choose(&t, Some(Batch)),
+            (Batch, true),
+            "in use and tied: kept"
+        );
+        assert_eq!(
+            choose(&t, Some(Request)),
+            (Bio, false),
+            "in use but 12 % behind"
+        );
+    }
+
+    #[test]
+    fn a_round_pools_every_queues_slots_and_one_queue_decides_it() {
+        let disk = AutoDisk::new();
+        assert!(disk.trials().is_empty());
+        disk.begin(Duration::ZERO);
+        let start = disk.start.load(Ordering::Acquire);
+        assert!(start < CLAIMED);
+        let round = disk.round.load(Ordering::Acquire);
+        assert_eq!(round, 1);
+        disk.begin(Duration::ZERO);
+        assert_eq!(disk.round.load(Ordering::Acquire), 1, "one round at a time");
+        // Two queues. Slots run bio, batch, request, request, batch, bio. Queue A alone
+        // would see batch ahead (it got the CPU in batch's slots); the disk's totals
+        // favour bio.
+        let per_queue = [
+            [10_000, 30_000, 5_000, 5_000, 30_000, 10_000],
+            [50_000, 10_000, 20_000, 20_000, 10_000, 50_000],
+        ];
+        for q in per_queue {
+            for (k, ios) in q.into_iter().enumerate() {
+                disk.add(round, k, ios, ios * 500);
+            }
+        }
+        disk.add(round + 1, 0, 1_000_000, 0);
+        assert!(disk.decide(start));
+        assert!(!disk.decide(start), "decided once");
+        assert_eq!(disk.decided.load(Ordering::Acquire), 1);
+        assert_eq!(
+            CANDIDATES[disk.pick.load(Ordering::Acquire) as usize],
+            PathKind::Bio
+        );
+        let t = disk.trials();
+        let slot_s = SLOT.as_secs_f64();
+        assert_eq!(t[0].path, PathKind::Bio);
+        assert!(
+            (t[0].iops - 120_000.0 / (2.0 * slot_s)).abs() < 1.0,
+            "{t:?}"
+        );
+        assert!((t[1].iops - 80_000.0 / (2.0 * slot_s)).abs() < 1.0, "{t:?}");
+        assert!((t[0].cpu_us_per_io - 0.5).abs() < 1e-9, "{t:?}");
+        assert_eq!(disk.start.load(Ordering::Acquire), IDLE);
+        // Nothing is added between rounds.
+        disk.add(round, 0, 5, 5);
+        assert_eq!(disk.ios[0].load(Ordering::Relaxed), 120_000 / 2);
+        // The next round starts from zero and keeps bio while it stays among the best.
+        disk.begin(Duration::ZERO);
+        let start = disk.start.load(Ordering::Acquire);
+        for k in 0..STEPS {
+            disk.add(2, k, 100_000, 1);
+        }
+        assert!(disk.decide(start));
+        assert_eq!(
+            CANDIDATES[disk.pick.load(Ordering::Acquire) as usize],
+            PathKind::Bio
+        );
+        assert_eq!(disk.recheck.load(Ordering::Relaxed), ns(RECHECK) * 2);
     }
 
     #[test]

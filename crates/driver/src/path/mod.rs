@@ -13,7 +13,7 @@
 //! - [`PathKind::Passthru`]: raw virtio-blk commands through a submission/completion ring
 //!   pair with polled completions; a different API ([`crate::Passthru`]). Through
 //!   [`crate::Queue`]'s own API it behaves as `bio`.
-//! - [`PathKind::Auto`]: the driver picks among bio, batch and request per queue from what
+//! - [`PathKind::Auto`]: the driver picks among bio, batch and request per disk from what
 //!   the device reports and what it measures ([`crate::AutoReport`] says what it chose).
 //!
 //! Every path keeps the same promises: each I/O completes exactly once, flushes are not
