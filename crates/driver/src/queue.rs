@@ -161,7 +161,8 @@ impl Queue {
 
     /// Submit `io`. On an error nothing was sent and the buffers come back.
     pub fn submit(&mut self, io: Io) -> Result<(), SubmitError> {
-        // bio and batch send the common I/O (one buffer, one request) in one pass.
+        // bio and batch (also under auto) send the common I/O (one buffer, one request) in
+        // one pass.
         match self.path {
             PathState::Bio if self.core.is_single(&io) => {
                 self.core.send_single(io)?;
@@ -173,6 +174,13 @@ impl Queue {
                 if self.core.ring.unpublished() >= n {
                     self.core.publish();
                 }
+                return Ok(());
+            }
+            PathState::Auto(ref mut a) if a.sends_directly() && self.core.is_single(&io) => {
+                let bytes = io.bufs.total_len();
+                a.observe(io.op, io.offset / 512, bytes, self.core.table.in_flight + 1);
+                self.core.send_single(io)?;
+                a.sent(&mut self.core);
                 return Ok(());
             }
             _ => {}

@@ -453,7 +453,7 @@ fn auto_follows_the_devices_hint_and_otherwise_measures_and_remeasures() {
     let mut bufs: Vec<_> = (0..8).map(|_| Some(q.alloc(65536).unwrap())).collect();
     let mut rng = Rng(3);
     // A phase runs its workload until `done` says so (rounds are timed: 100 ms after the
-    // first I/Os, then six 30 ms slots and one to settle), at most 60 s.
+    // first I/Os, then eighteen 30 ms slots and one to settle), at most 60 s.
     let mut phase = |q: &mut Queue,
                      bufs: &mut Vec<Option<vblk_driver::Buffer>>,
                      big: bool,
