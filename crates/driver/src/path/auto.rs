@@ -219,9 +219,15 @@ impl AutoDisk {
 
     /// Start a round `delay` from now, unless one runs.
     fn begin(&self, delay: Duration) {
+        self.begin_from(IDLE, delay);
+    }
+
+    /// Start a round `delay` from now if `start` is still `from` (IDLE, or the start of a
+    /// round left undecided too long).
+    fn begin_from(&self, from: u64, delay: Duration) {
         if self
             .start
-            .compare_exchange(IDLE, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+            .compare_exchange(from, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
             .is_err()
         {
             return;
@@ -576,12 +582,18 @@ impl Auto {
             step: k,
         };
         // The slots are over: after one more slot (for every queue to add its last
-        // count), decide.
+        // count), decide. A round nobody completed I/O to decide in time (the disk went
+        // idle in it) is measured again rather than decided on stale counts.
         let slot = disk.slot.load(Ordering::Relaxed);
-        if now >= start + (STEPS as u64 + 1) * slot && disk.decide(start) {
+        let end = start + (STEPS as u64 + 1) * slot;
+        if now >= end + STEPS as u64 * slot {
+            disk.begin_from(start, SLOT);
+        } else if now >= end && disk.decide(start) {
             let decided = disk.decided.load(Ordering::Acquire);
             self.adopt(core, decided);
-        } else if let Some(to) = to {
+            return;
+        }
+        if let Some(to) = to {
             self.switch(core, to);
         }
     }
@@ -702,6 +714,28 @@ mod tests {
             PathKind::Bio
         );
         assert_eq!(disk.recheck.load(Ordering::Relaxed), ns(RECHECK) * 2);
+    }
+
+    #[test]
+    fn a_round_left_undecided_is_measured_again_not_decided_on_stale_counts() {
+        let disk = AutoDisk::new();
+        disk.begin(Duration::ZERO);
+        let start = disk.start.load(Ordering::Acquire);
+        disk.add(1, 0, 500, 1);
+        // Nobody followed the round until long after its end: it starts over.
+        disk.begin_from(start, SLOT);
+        assert_eq!(disk.round.load(Ordering::Acquire), 2);
+        assert!(disk.start.load(Ordering::Acquire) < CLAIMED);
+        assert_eq!(
+            disk.ios[0].load(Ordering::Relaxed),
+            0,
+            "counts start from zero"
+        );
+        assert!(
+            !disk.decide(start),
+            "the old round cannot be decided any more"
+        );
+        assert_eq!(disk.decided.load(Ordering::Acquire), 0);
     }
 
     #[test]
