@@ -49,6 +49,7 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
+    /// An entry that serves nothing (a flush with no request outstanding).
     fn vacant() -> Entry {
         Entry {
             token: 0,
@@ -254,18 +255,10 @@ impl Table {
         self.post_flush_busy = true;
         self.put(Entry {
             token: u64::MAX,
-            bufs: Bufs::None,
-            result: Ok(()),
             remaining: 1,
-            next: NONE,
-            op: Op::Flush,
-            sector: 0,
-            bytes: 0,
-            pieces: 0,
-            fua: false,
-            flow: 0,
             hidden: true,
             waiters,
+            ..Entry::vacant()
         })
     }
 
