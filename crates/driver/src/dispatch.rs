@@ -551,15 +551,21 @@ impl Core {
         }
         while self.ring.num_free() < need {
             if self.dead {
-                return Err(Error::new(
-                    ErrorKind::Disconnected,
-                    "the device disconnected".into(),
-                ));
+                break;
             }
             self.publish();
             if self.reap() == 0 {
                 self.block(None)?;
             }
+        }
+        // A disconnection while waiting fails everything in flight and frees every
+        // descriptor, so the loop can end with room on a dead ring: a request put there
+        // would never complete.
+        if self.dead {
+            return Err(Error::new(
+                ErrorKind::Disconnected,
+                "the device disconnected".into(),
+            ));
         }
         Ok(())
     }

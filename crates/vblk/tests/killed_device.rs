@@ -516,6 +516,74 @@ fn killed_under_load_every_io_completes_once_and_acked_writes_survive_a_restart(
 
 /// Killed while nothing is outstanding: the next I/O notices, whether the application
 /// waits or only polls.
+/// A submitter waits for room on a full ring when the device is killed. The kill fails
+/// what was in flight and so frees the whole ring: the waiting submission must then be
+/// refused with Disconnected (its buffers back), not put on the dead ring, where it would
+/// never complete. Once for a single-buffer write (bio's one-pass fast path) and once for
+/// a two-buffer write (the staged path).
+#[test]
+fn a_submission_waiting_for_room_when_the_device_dies_is_refused() {
+    for vector in [false, true] {
+        let dir = temp_dir("killed");
+        let sock = dir.path().join("vblk.sock");
+        let serve = Serve::start(&sock, "mem:64M", 2, dir.path().join("serve.log"));
+        let pid = serve.pid();
+        within(TEST_LIMIT, "a submission waiting for room", move || {
+            // Four descriptors and no indirect tables: one 4 KiB write (header, data,
+            // status) leaves one free, and any second write must wait for room.
+            let disk = Disk::attach(
+                &sock,
+                &DiskOptions {
+                    num_queues: Some(1),
+                    queue_size: 4,
+                    indirect: false,
+                    pool_size: 4 * MIB,
+                    ..Default::default()
+                },
+            )
+            .unwrap_or_else(|e| panic!("cannot attach to {}: {e}", sock.display()));
+            let mut q = disk.take_queue(0).unwrap();
+            q.write_at(0, &[1u8; 4096]).unwrap();
+            freeze(pid);
+            q.write(0, q.alloc(4096).unwrap(), 1).unwrap();
+            assert_eq!(q.in_flight(), 1);
+
+            let (tx, rx) = mpsc::channel();
+            let waiter = std::thread::spawn(move || {
+                tx.send(()).unwrap();
+                let r = if vector {
+                    let bufs = vec![q.alloc(4096).unwrap(), q.alloc(4096).unwrap()];
+                    q.writev(8192, bufs, 2)
+                } else {
+                    q.write(8192, q.alloc(4096).unwrap(), 2)
+                };
+                (q, r)
+            });
+            rx.recv_timeout(IO_TIMEOUT).unwrap();
+            // Let the submitter get past its spin and fall asleep waiting for room.
+            std::thread::sleep(Duration::from_millis(300));
+            signal(pid, libc::SIGKILL);
+
+            let (mut q, r) = waiter.join().unwrap();
+            let e = r.expect_err("a submission accepted after the device died");
+            assert_eq!(e.error.kind(), ErrorKind::Disconnected, "{}", e.error);
+            let back = if vector {
+                e.bufs.into_vec().len()
+            } else {
+                usize::from(e.bufs.into_one().is_some())
+            };
+            assert_eq!(back, 1 + usize::from(vector), "the buffers come back");
+            let c = q
+                .wait(Some(IO_TIMEOUT))
+                .unwrap_or_else(|e| panic!("the write in flight never completed: {e}"));
+            assert_eq!((c.token, c.result), (1, Err(ErrorKind::Disconnected)));
+            assert_eq!(q.in_flight(), 0, "nothing else is in flight");
+            drop(disk);
+        });
+        drop(serve);
+    }
+}
+
 #[test]
 fn a_device_killed_while_idle_is_noticed_by_the_next_io() {
     let dir = temp_dir("killed");
