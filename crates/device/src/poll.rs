@@ -59,6 +59,9 @@ pub(crate) const PROBE_EVERY: u32 = 8;
 /// How often the worker runs a pair of epochs, polling and sleeping, and how long each is.
 pub(crate) const TRIAL_EVERY: Duration = Duration::from_secs(1);
 pub(crate) const EPOCH: Duration = Duration::from_millis(10);
+/// An epoch first seen to end this late, with the worker asleep for most of it, spanned
+/// an idle spell of the guest: not counted.
+const EPOCH_STALE: Duration = Duration::from_millis(40);
 /// Polling is forced on when its epoch served work at least this many times as fast as
 /// the sleeping epoch (below it, the difference is noise or a paced guest).
 pub(crate) const GAIN_MIN: f64 = 1.2;
@@ -204,9 +207,21 @@ impl Poll {
             }
             Some((i, began, cpu0)) if now.saturating_duration_since(began) >= EPOCH => {
                 let c = cpu();
+                let wall = now.saturating_duration_since(began);
+                let used = c.saturating_sub(cpu0);
+                if wall > EPOCH_STALE && used < wall / 2 {
+                    // The guest went idle during the epoch (tick runs only when a busy
+                    // period ends, and the worker slept through most of it): its
+                    // wall-clock time is mostly that idle spell and says nothing of
+                    // either regime. Drop the pair; the verdict stands. (A worker busy
+                    // without a break for that long is not idle: its epoch counts.)
+                    t.epoch = None;
+                    t.next_at = now + TRIAL_RETRY;
+                    return;
+                }
                 let r = t.order[i] as usize;
-                t.wall[r] = now.saturating_duration_since(began);
-                t.cpu[r] = c.saturating_sub(cpu0);
+                t.wall[r] = wall;
+                t.cpu[r] = used;
                 if i == 0 {
                     t.epoch = Some((1, now, c));
                 } else {
@@ -568,6 +583,36 @@ mod tests {
         p.trial.forced = true;
         epochs(&mut p, t + TRIAL_EVERY, (10, US), (10, US));
         assert!(p.forced());
+    }
+
+    #[test]
+    fn an_epoch_that_spans_an_idle_spell_is_dropped_and_the_verdict_stands() {
+        let mut p = Poll::new(200);
+        p.trial.order = [Regime::Poll, Regime::Sleep];
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        p.tick(t0, || ms(1000));
+        assert!(p.forced_regime().is_some());
+        // The first epoch ends normally; the guest goes idle for a minute in the second,
+        // which a sleeping epoch would read as a pace 6000 times slower than polling's.
+        p.busy(5_000);
+        p.tick(t0 + EPOCH, || ms(1003));
+        assert!(p.forced_regime().is_some(), "the second epoch runs");
+        p.busy(5_000);
+        let t = t0 + EPOCH + Duration::from_secs(60);
+        p.tick(t, || ms(1006));
+        assert!(p.forced_regime().is_none(), "the pair is dropped");
+        assert!(!p.forced(), "and decides nothing");
+        p.tick(t + TRIAL_RETRY, || ms(1006));
+        assert!(p.forced_regime().is_some(), "a new pair comes soon");
+        // A worker busy without a break through a long epoch was not idle: it counts.
+        p.busy(5_000);
+        let t = t + TRIAL_RETRY + ms(100);
+        p.tick(t, || ms(1106));
+        assert!(
+            p.forced_regime().is_some(),
+            "the pair goes on to its second epoch"
+        );
     }
 
     #[test]

@@ -60,7 +60,8 @@ const CANDIDATES: [PathKind; 3] = [PathKind::Bio, PathKind::Batch, PathKind::Req
 const SCHEDULE: [usize; 18] = [0, 1, 2, 2, 1, 0, 0, 1, 2, 2, 1, 0, 0, 1, 2, 2, 1, 0];
 const STEPS: usize = SCHEDULE.len();
 /// One slot of a round, at first; doubled (up to [`SLOT_MAX`]) while a slot sees fewer
-/// than [`SLOT_MIN_IOS`] I/Os on the whole disk.
+/// than [`SLOT_MIN_IOS`] I/Os on the whole disk, or a round goes undecided for want of
+/// completions to decide it in time.
 const SLOT: Duration = Duration::from_millis(30);
 const SLOT_MAX: Duration = Duration::from_millis(480);
 const SLOT_MIN_IOS: u64 = 256;
@@ -219,19 +220,33 @@ impl AutoDisk {
 
     /// Start a round `delay` from now, unless one runs.
     fn begin(&self, delay: Duration) {
-        self.begin_from(IDLE, delay);
+        if self.claim(IDLE) {
+            self.open(delay);
+        }
     }
 
-    /// Start a round `delay` from now if `start` is still `from` (IDLE, or the start of a
-    /// round left undecided too long).
-    fn begin_from(&self, from: u64, delay: Duration) {
-        if self
-            .start
-            .compare_exchange(from, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            return;
+    /// Round `from` was left undecided too long (no queue completed I/O to decide it in
+    /// time: the disk went idle, or its load is too sparse for slots this short): start
+    /// it over in one slot, with slots twice as long (up to [`SLOT_MAX`]), so that a
+    /// sparse load is decided rather than measured over and over.
+    fn restart(&self, from: u64) {
+        if self.claim(from) {
+            let slot = self.slot.load(Ordering::Relaxed);
+            self.slot
+                .store((slot * 2).min(ns(SLOT_MAX)), Ordering::Relaxed);
+            self.open(SLOT);
         }
+    }
+
+    /// Take `start` from `from` to CLAIMED; false if another queue changed it first.
+    fn claim(&self, from: u64) -> bool {
+        self.start
+            .compare_exchange(from, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// With `start` claimed: clear the tallies and start the next round `delay` from now.
+    fn open(&self, delay: Duration) {
         // Nobody adds to the tallies while no round runs.
         for k in 0..STEPS {
             self.ios[k].store(0, Ordering::Relaxed);
@@ -587,7 +602,7 @@ impl Auto {
         let slot = disk.slot.load(Ordering::Relaxed);
         let end = start + (STEPS as u64 + 1) * slot;
         if now >= end + STEPS as u64 * slot {
-            disk.begin_from(start, SLOT);
+            disk.restart(start);
         } else if now >= end && disk.decide(start) {
             let decided = disk.decided.load(Ordering::Acquire);
             self.adopt(core, decided);
@@ -722,9 +737,11 @@ mod tests {
         disk.begin(Duration::ZERO);
         let start = disk.start.load(Ordering::Acquire);
         disk.add(1, 0, 500, 1);
-        // Nobody followed the round until long after its end: it starts over.
-        disk.begin_from(start, SLOT);
+        // Nobody followed the round until long after its end: it starts over, with
+        // slots twice as long each time (a load too sparse for them), up to SLOT_MAX.
+        disk.restart(start);
         assert_eq!(disk.round.load(Ordering::Acquire), 2);
+        assert_eq!(disk.slot.load(Ordering::Relaxed), ns(SLOT) * 2);
         assert!(disk.start.load(Ordering::Acquire) < CLAIMED);
         assert_eq!(
             disk.ios[0].load(Ordering::Relaxed),
@@ -736,6 +753,13 @@ mod tests {
             "the old round cannot be decided any more"
         );
         assert_eq!(disk.decided.load(Ordering::Acquire), 0);
+        for _ in 0..8 {
+            disk.restart(disk.start.load(Ordering::Acquire));
+        }
+        assert_eq!(disk.slot.load(Ordering::Relaxed), ns(SLOT_MAX));
+        // A stale caller (the round already restarted) changes nothing.
+        disk.restart(start);
+        assert_eq!(disk.round.load(Ordering::Acquire), 10);
     }
 
     #[test]
