@@ -168,6 +168,42 @@ fn ns(d: Duration) -> u64 {
     d.as_nanos() as u64
 }
 
+/// One slot's tally in a round, tagged with the round's number (its low 24 bits, above
+/// the 40-bit sum): an add for another round than the tally's is dropped, so a queue
+/// that checked the round just before another queue restarted it cannot add its old
+/// slot's count to the new round. One compare-and-swap per queue per slot.
+#[derive(Debug, Default)]
+struct Tally(AtomicU64);
+
+const TALLY_BITS: u32 = 40;
+const TALLY_SUM: u64 = (1 << TALLY_BITS) - 1;
+
+impl Tally {
+    fn tag(round: u64) -> u64 {
+        (round & 0xFF_FFFF) << TALLY_BITS
+    }
+
+    /// Zero, for round `round`.
+    fn reset(&self, round: u64) {
+        self.0.store(Tally::tag(round), Ordering::Relaxed);
+    }
+
+    /// Add `x` if the tally is round `round`'s (saturating: a slot never nears 2^40).
+    fn add(&self, round: u64, x: u64) {
+        let tag = Tally::tag(round);
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                (v & !TALLY_SUM == tag)
+                    .then(|| tag | (v & TALLY_SUM).saturating_add(x).min(TALLY_SUM))
+            });
+    }
+
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed) & TALLY_SUM
+    }
+}
+
 /// The disk-wide half of `auto`, shared by the disk's queues: the round's clock, the I/Os
 /// and CPU time every queue completed in each slot, and the last choice. Written a few
 /// times per slot per queue during a round and once per round otherwise; never locked.
@@ -182,8 +218,8 @@ pub(crate) struct AutoDisk {
     /// The length of a slot, ns.
     slot: AtomicU64,
     /// Per slot of the running round: I/Os completed and submitting threads' CPU time.
-    ios: [AtomicU64; STEPS],
-    cpu_ns: [AtomicU64; STEPS],
+    ios: [Tally; STEPS],
+    cpu_ns: [Tally; STEPS],
     /// Rounds decided, and the index in [`CANDIDATES`] of the last one's choice.
     decided: AtomicU64,
     pick: AtomicU64,
@@ -247,12 +283,15 @@ impl AutoDisk {
 
     /// With `start` claimed: clear the tallies and start the next round `delay` from now.
     fn open(&self, delay: Duration) {
-        // Nobody adds to the tallies while no round runs.
+        // Only the claiming queue changes the round number. The tallies are tagged with
+        // the new round's, so a queue that checked the old one just before this cannot
+        // add to them.
+        let next = self.round.load(Ordering::Acquire) + 1;
         for k in 0..STEPS {
-            self.ios[k].store(0, Ordering::Relaxed);
-            self.cpu_ns[k].store(0, Ordering::Relaxed);
+            self.ios[k].reset(next);
+            self.cpu_ns[k].reset(next);
         }
-        self.round.fetch_add(1, Ordering::AcqRel);
+        self.round.store(next, Ordering::Release);
         self.start.store(self.now() + ns(delay), Ordering::Release);
     }
 
@@ -262,8 +301,8 @@ impl AutoDisk {
         if self.round.load(Ordering::Acquire) == round
             && self.start.load(Ordering::Acquire) < CLAIMED
         {
-            self.ios[k].fetch_add(ios, Ordering::Relaxed);
-            self.cpu_ns[k].fetch_add(cpu, Ordering::Relaxed);
+            self.ios[k].add(round, ios);
+            self.cpu_ns[k].add(round, cpu);
         }
     }
 
@@ -282,8 +321,8 @@ impl AutoDisk {
             .map(|c| {
                 let (mut ios, mut cpu) = (0, 0);
                 for k in (0..STEPS).filter(|&k| SCHEDULE[k] == c) {
-                    ios += self.ios[k].load(Ordering::Relaxed);
-                    cpu += self.cpu_ns[k].load(Ordering::Relaxed);
+                    ios += self.ios[k].get();
+                    cpu += self.cpu_ns[k].get();
                 }
                 let slots = SCHEDULE.iter().filter(|&&i| i == c).count() as f64;
                 AutoTrial {
@@ -301,10 +340,7 @@ impl AutoDisk {
         } else {
             ns(RECHECK)
         };
-        let fewest = (0..STEPS)
-            .map(|k| self.ios[k].load(Ordering::Relaxed))
-            .min()
-            .unwrap_or(0);
+        let fewest = (0..STEPS).map(|k| self.ios[k].get()).min().unwrap_or(0);
         if fewest < SLOT_MIN_IOS {
             self.slot
                 .store((slot * 2).min(ns(SLOT_MAX)), Ordering::Relaxed);
@@ -716,7 +752,7 @@ mod tests {
         assert_eq!(disk.start.load(Ordering::Acquire), IDLE);
         // Nothing is added between rounds.
         disk.add(round, 0, 5, 5);
-        assert_eq!(disk.ios[0].load(Ordering::Relaxed), 120_000 / 2);
+        assert_eq!(disk.ios[0].get(), 120_000 / 2);
         // The next round starts from zero and keeps bio while it stays among the best.
         disk.begin(Duration::ZERO);
         let start = disk.start.load(Ordering::Acquire);
@@ -743,11 +779,7 @@ mod tests {
         assert_eq!(disk.round.load(Ordering::Acquire), 2);
         assert_eq!(disk.slot.load(Ordering::Relaxed), ns(SLOT) * 2);
         assert!(disk.start.load(Ordering::Acquire) < CLAIMED);
-        assert_eq!(
-            disk.ios[0].load(Ordering::Relaxed),
-            0,
-            "counts start from zero"
-        );
+        assert_eq!(disk.ios[0].get(), 0, "counts start from zero");
         assert!(
             !disk.decide(start),
             "the old round cannot be decided any more"
@@ -760,6 +792,25 @@ mod tests {
         // A stale caller (the round already restarted) changes nothing.
         disk.restart(start);
         assert_eq!(disk.round.load(Ordering::Acquire), 10);
+    }
+
+    #[test]
+    fn a_count_for_an_earlier_round_never_lands_in_the_next() {
+        let disk = AutoDisk::new();
+        disk.begin(Duration::ZERO);
+        let start = disk.start.load(Ordering::Acquire);
+        disk.ios[3].add(1, 700);
+        // A queue checked round 1 and was preempted; meanwhile round 1 restarts as 2.
+        disk.restart(start);
+        disk.ios[3].add(1, 500);
+        disk.cpu_ns[3].add(1, 500);
+        assert_eq!((disk.ios[3].get(), disk.cpu_ns[3].get()), (0, 0));
+        disk.ios[3].add(2, 9);
+        assert_eq!(disk.ios[3].get(), 9);
+        disk.ios[3].add(2, u64::MAX);
+        assert_eq!(disk.ios[3].get(), TALLY_SUM, "saturates below the tag");
+        disk.ios[3].add(2, 1);
+        assert_eq!(disk.ios[3].get(), TALLY_SUM, "and keeps its round");
     }
 
     #[test]
