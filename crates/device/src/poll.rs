@@ -37,11 +37,12 @@
 //!   time per unit of work. Polling is kept on until the next pair when it brought work
 //!   at least [`GAIN_MIN`] times as fast and its gain in pace is at least its cost in
 //!   CPU per unit of work (the guest gets as much more throughput as polling costs more
-//!   CPU per request); while it is, the window is the bound. Epochs of equal length measured by the clock, unlike idle periods
-//!   sorted by how they ended: a spin that found work is, by being a hit, a short gap,
-//!   so per-period rates favour polling even for a paced guest. A paced guest's epochs
-//!   serve the same work, and the CPU rule above decides as before. The epochs cost a
-//!   paced guest at most one epoch of spinning per [`TRIAL_EVERY`] (1 % of a CPU).
+//!   CPU per request); while it is, the window is the bound. Epochs are of equal length
+//!   by the clock, unlike idle periods sorted by how they ended: a spin that found work
+//!   is, by being a hit, a short gap, so per-period rates favour polling even for a paced
+//!   guest. A paced guest's epochs serve the same work, and the CPU rule above decides
+//!   as before. The epochs cost a paced guest at most one epoch of spinning per
+//!   [`TRIAL_EVERY`] (1 % of a CPU); a pair that spans an idle spell is dropped.
 //! - **Within those bounds the window adapts**: when spinning found work it doubles; when
 //!   it ran out it halves, down to the floor.
 //!
@@ -111,6 +112,7 @@ impl Trial {
         Some(gain >= GAIN_MIN && gain >= cost)
     }
 }
+
 /// An exponentially weighted running average; None until the first sample.
 #[derive(Debug, Clone, Copy, Default)]
 struct Avg(Option<f64>);

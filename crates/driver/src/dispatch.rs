@@ -236,8 +236,8 @@ impl Core {
             sector: sector.to_le(),
         };
         // SAFETY: aux points to head's 64-byte request area in the ring's shared memory and
-        // status to its status byte; head is free (make_room left room for the request it
-        // starts), so the device is not using either.
+        // status to its status byte; head is free (the ring has room for this request:
+        // checked above, or made by make_room), so the device is not using either.
         unsafe {
             aux.cast::<RequestHeader>().write_volatile(hdr);
             status.write_volatile(0xFF);
@@ -263,10 +263,7 @@ impl Core {
         debug_assert_eq!(got, Some(head));
         if got.is_none() {
             return Err(SubmitError {
-                error: Error::new(
-                    ErrorKind::Protocol,
-                    "ring has no room after make_room".into(),
-                ),
+                error: no_room(),
                 bufs: io.into_bufs(),
             });
         }
@@ -528,10 +525,7 @@ impl Core {
         self.segs.clear();
         debug_assert_eq!(got, Some(head));
         if got.is_none() {
-            return Err(Error::new(
-                ErrorKind::Protocol,
-                "ring has no room after make_room".into(),
-            ));
+            return Err(no_room());
         }
         self.table.bind(head, first);
         self.requests += 1;
@@ -698,6 +692,13 @@ impl Core {
     }
 
     // ---- telling the device ----
+
+    /// Publish once `n` requests wait unpublished (the batch path's rule).
+    pub(crate) fn publish_batch(&mut self, n: u16) {
+        if self.ring.unpublished() >= n {
+            self.publish();
+        }
+    }
 
     /// Publish the requests added since the last publication and notify the device if it
     /// asked to be.
@@ -876,4 +877,12 @@ impl Drop for Core {
             self.table.leak_buffers();
         }
     }
+}
+
+/// The ring refused a request make_room had made room for (a bug, not the device's doing).
+fn no_room() -> Error {
+    Error::new(
+        ErrorKind::Protocol,
+        "ring has no room after make_room".into(),
+    )
 }

@@ -163,45 +163,31 @@ impl Queue {
     pub fn submit(&mut self, io: Io) -> Result<(), SubmitError> {
         // bio and batch (also under auto) send the common I/O (one buffer, one request) in
         // one pass.
-        match self.path {
-            PathState::Bio if self.core.is_single(&io) => {
+        let single = self.core.is_single(&io);
+        match &mut self.path {
+            PathState::Bio | PathState::Batch(_) if single => self.core.send_single(io)?,
+            PathState::Auto(a) if single && a.sends_directly() => {
+                let (op, sector, bytes) = (io.op, io.offset / 512, io.bufs.total_len());
                 self.core.send_single(io)?;
-                self.core.publish();
-                return Ok(());
-            }
-            PathState::Batch(n) if self.core.is_single(&io) => {
-                self.core.send_single(io)?;
-                if self.core.ring.unpublished() >= n {
-                    self.core.publish();
-                }
-                return Ok(());
-            }
-            PathState::Auto(ref mut a) if a.sends_directly() && self.core.is_single(&io) => {
-                let bytes = io.bufs.total_len();
-                a.observe(io.op, io.offset / 512, bytes, self.core.table.in_flight + 1);
-                self.core.send_single(io)?;
+                a.observe(op, sector, bytes, self.core.table.in_flight);
                 a.sent(&mut self.core);
                 return Ok(());
             }
-            _ => {}
-        }
-        let Some(id) = self.core.admit(io)? else {
-            return Ok(());
-        };
-        match &mut self.path {
-            PathState::Bio => {
-                self.send_now(id)?;
-                self.core.publish();
-            }
-            PathState::Batch(n) => {
-                let n = *n;
-                self.send_now(id)?;
-                if self.core.ring.unpublished() >= n {
-                    self.core.publish();
+            _ => {
+                let Some(id) = self.core.admit(io)? else {
+                    return Ok(());
+                };
+                match &mut self.path {
+                    PathState::Bio | PathState::Batch(_) => self.send_now(id)?,
+                    PathState::Request(r) => r.submit(&mut self.core, id),
+                    PathState::Auto(a) => a.submit(&mut self.core, id),
                 }
             }
-            PathState::Request(r) => r.submit(&mut self.core, id),
-            PathState::Auto(a) => a.submit(&mut self.core, id),
+        }
+        match self.path {
+            PathState::Bio => self.core.publish(),
+            PathState::Batch(n) => self.core.publish_batch(n),
+            _ => {}
         }
         Ok(())
     }

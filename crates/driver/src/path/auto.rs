@@ -398,13 +398,9 @@ fn choose(trials: &[AutoTrial], previous: Option<PathKind>) -> (PathKind, bool) 
 enum Stage {
     /// Running the chosen path; checking the workload's signature.
     Chosen,
-    /// In round `round` (which starts at `start`), in slot `step` (STEPS: the round's
-    /// slots are over, waiting for its decision), or None before its first slot.
-    Round {
-        round: u64,
-        start: u64,
-        step: Option<usize>,
-    },
+    /// In round `round`, in slot `step` (STEPS: the round's slots are over, waiting for
+    /// its decision), or None before its first slot.
+    Round { round: u64, step: Option<usize> },
 }
 
 #[derive(Debug)]
@@ -511,8 +507,10 @@ impl Auto {
 
     /// An I/O went to the ring on bio or batch: publish as that path does.
     pub(crate) fn sent(&mut self, core: &mut Core) {
-        if self.mode == PathKind::Bio || core.ring.unpublished() >= self.batch {
+        if self.mode == PathKind::Bio {
             core.publish();
+        } else {
+            core.publish_batch(self.batch);
         }
     }
 
@@ -605,7 +603,7 @@ impl Auto {
         }
         let round = disk.round.load(Ordering::Acquire);
         let (step, joined) = match self.stage {
-            Stage::Round { round: r, step, .. } if r == round => (step, false),
+            Stage::Round { round: r, step } if r == round => (step, false),
             _ => (None, true),
         };
         if joined {
@@ -627,11 +625,7 @@ impl Auto {
                 to = (k < STEPS).then(|| CANDIDATES[SCHEDULE[k]]);
             }
         }
-        self.stage = Stage::Round {
-            round,
-            start,
-            step: k,
-        };
+        self.stage = Stage::Round { round, step: k };
         // The slots are over: after one more slot (for every queue to add its last
         // count), decide. A round nobody completed I/O to decide in time (the disk went
         // idle in it) is measured again rather than decided on stale counts.
