@@ -208,14 +208,42 @@ impl AioEngine {
                     (opcode, iov as u64, u64::from(cnt), at, flags)
                 }
             },
-            Work::Flush if self.fdsync => (IOCB_CMD_FDSYNC, 0, 0, 0, 0),
-            Work::Flush => return offload(slot, 0, Op::Flush),
-            Work::Discard { offset, len } => return offload(slot, 0, Op::Discard { offset, len }),
+            Work::Flush | Work::SyncThen if self.fdsync => (IOCB_CMD_FDSYNC, 0, 0, 0, 0),
+            Work::Flush | Work::SyncThen => return offload(slot, 0, Op::Flush),
+            // The helper thread makes them durable too (SyncIo::run).
+            Work::Discard {
+                offset,
+                len,
+                durable,
+            } => {
+                return offload(
+                    slot,
+                    0,
+                    Op::Discard {
+                        offset,
+                        len,
+                        durable,
+                    },
+                )
+            }
             Work::Zeroes {
-                offset, len, stage, ..
+                offset,
+                len,
+                stage,
+                durable,
+                ..
             } => {
                 let unmap = stage == ZeroStage::Punch;
-                return offload(slot, 0, Op::WriteZeroes { offset, len, unmap });
+                return offload(
+                    slot,
+                    0,
+                    Op::WriteZeroes {
+                        offset,
+                        len,
+                        unmap,
+                        durable,
+                    },
+                );
             }
         };
         let offset = i64::try_from(offset).map_err(|_| errno(libc::EINVAL))?;
@@ -253,7 +281,7 @@ impl AioEngine {
         let code = (res < 0).then(|| i32::try_from(-res).unwrap_or(libc::EIO));
         let result = match slot.work {
             Work::Rw(_) => slot.rw_result(res),
-            Work::Flush => match code {
+            Work::Flush | Work::SyncThen => match code {
                 Some(c) if unsupported(c) => {
                     self.fdsync = false;
                     None
@@ -273,7 +301,7 @@ impl AioEngine {
     fn refused(&mut self, idx: usize, code: i32) {
         let slot = self.slots.get_mut(idx);
         match &mut slot.work {
-            Work::Flush if unsupported(code) => {
+            Work::Flush | Work::SyncThen if unsupported(code) => {
                 log::info!(
                     "aio engine: IOCB_CMD_FDSYNC refused ({}); flushing on the helper thread",
                     errno(code)
@@ -554,6 +582,7 @@ mod tests {
         let discard = Op::Discard {
             offset: 4096,
             len: 8192,
+            durable: false,
         };
         // SAFETY: Discard lends no buffer.
         unsafe { e.push(2, discard) }.unwrap();

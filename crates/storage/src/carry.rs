@@ -50,6 +50,7 @@ pub(crate) enum Work {
     Discard {
         offset: u64,
         len: u64,
+        durable: bool,
     },
     Zeroes {
         offset: u64,
@@ -57,7 +58,10 @@ pub(crate) enum Work {
         stage: ZeroStage,
         /// Bytes written so far (the Write stage).
         done: u64,
+        durable: bool,
     },
+    /// A durable discard or write-zeroes whose work is done: an fdatasync completes it.
+    SyncThen,
     /// Handed whole to a helper thread (work the kernel interface cannot do
     /// asynchronously); completes with `ok` bytes on success.
     Offloaded {
@@ -135,20 +139,47 @@ pub(crate) unsafe fn plan(io: &SyncIo, op: Op) -> io::Result<Work> {
             })
         }
         Op::Flush => Work::Flush,
-        Op::Discard { offset, len } => {
+        Op::Discard {
+            offset,
+            len,
+            durable,
+        } => {
             check_range(offset, len, size)?;
-            Work::Discard { offset, len }
+            Work::Discard {
+                offset,
+                len,
+                durable,
+            }
         }
-        Op::WriteZeroes { offset, len, unmap } => {
+        Op::WriteZeroes {
+            offset,
+            len,
+            unmap,
+            durable,
+        } => {
             check_range(offset, len, size)?;
             Work::Zeroes {
                 offset,
                 len,
                 stage: ZeroStage::first(&io.backend.caps, unmap),
                 done: 0,
+                durable,
             }
         }
     })
+}
+
+impl Work {
+    /// What a durable discard or write-zeroes does once its own work succeeded: make it
+    /// durable. None for everything else.
+    pub(crate) fn then_sync(&self) -> Option<Work> {
+        match self {
+            Work::Discard { durable: true, .. } | Work::Zeroes { durable: true, .. } => {
+                Some(Work::SyncThen)
+            }
+            _ => None,
+        }
+    }
 }
 
 impl Slot {

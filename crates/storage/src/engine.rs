@@ -101,6 +101,9 @@ pub enum Op {
         offset: u64,
         /// Length in bytes.
         len: u64,
+        /// Write-through: complete only when the deallocation is durable (a
+        /// `fdatasync` after it; FUA or a FLUSH on NBD).
+        durable: bool,
     },
     /// Make a range read as zeroes. `unmap` allows deallocating it; without it
     /// the blocks stay allocated. Falls back to writing zeroes.
@@ -111,6 +114,9 @@ pub enum Op {
         len: u64,
         /// Whether the range may be deallocated.
         unmap: bool,
+        /// Write-through: complete only when the zeroes are durable (a `fdatasync`
+        /// after them; FUA or a FLUSH on NBD).
+        durable: bool,
     },
 }
 

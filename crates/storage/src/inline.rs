@@ -105,7 +105,8 @@ impl InlineEngine {
                 Ok(total)
             }
             Op::Flush => Ok(0),
-            Op::Discard { offset, len } => {
+            // Durability is moot for RAM; a null disk keeps nothing.
+            Op::Discard { offset, len, .. } => {
                 check_range(offset, len, size)?;
                 if !self.base.is_null() {
                     // A hint: a memfd that cannot punch holes just keeps the bytes.
@@ -113,7 +114,9 @@ impl InlineEngine {
                 }
                 Ok(0)
             }
-            Op::WriteZeroes { offset, len, unmap } => {
+            Op::WriteZeroes {
+                offset, len, unmap, ..
+            } => {
                 check_range(offset, len, size)?;
                 if self.base.is_null() {
                     return Ok(0);

@@ -288,17 +288,28 @@ impl SyncIo {
                 unsafe { self.rw(Dir::Write, offset, iov, iovcnt, durable) }
             }
             Op::Flush => fdatasync(self.fd).map(|()| 0),
-            Op::Discard { offset, len } => {
+            Op::Discard {
+                offset,
+                len,
+                durable,
+            } => {
                 check_range(offset, len, self.backend.size())?;
                 match fallocate(self.fd, PUNCH_HOLE, offset, len) {
                     Ok(()) => Ok(0),
                     Err(e) => self.discard_failed(e, offset, len),
-                }
+                }?;
+                self.sync_if(durable)
             }
-            Op::WriteZeroes { offset, len, unmap } => {
+            Op::WriteZeroes {
+                offset,
+                len,
+                unmap,
+                durable,
+            } => {
                 check_range(offset, len, self.backend.size())?;
                 let stage = ZeroStage::first(&self.backend.caps, unmap);
-                self.write_zeroes_from(stage, offset, len)
+                self.write_zeroes_from(stage, offset, len)?;
+                self.sync_if(durable)
             }
         }
     }
@@ -371,6 +382,14 @@ impl SyncIo {
 
     /// The rest of a discard whose hole punch failed with `e`: block devices try
     /// `BLKDISCARD`; "not supported" is success (discard is a hint).
+    /// A durable discard or write-zeroes is made durable before it completes.
+    fn sync_if(&self, durable: bool) -> io::Result<u64> {
+        if durable {
+            fdatasync(self.fd)?;
+        }
+        Ok(0)
+    }
+
     pub(crate) fn discard_failed(&self, e: io::Error, offset: u64, len: u64) -> io::Result<u64> {
         let code = e.raw_os_error().unwrap_or(libc::EIO);
         if !unsupported(code) {
@@ -527,6 +546,7 @@ mod tests {
                             offset: off,
                             len,
                             unmap: true,
+                            durable: false,
                         },
                     )
                 }

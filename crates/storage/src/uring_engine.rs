@@ -164,12 +164,12 @@ impl UringEngine {
                         .build(),
                 }),
             },
-            Work::Flush => Step::Sqe(
+            Work::Flush | Work::SyncThen => Step::Sqe(
                 opcode::Fsync::new(fd)
                     .flags(types::FsyncFlags::DATASYNC)
                     .build(),
             ),
-            Work::Discard { offset, len } => Step::Sqe(
+            Work::Discard { offset, len, .. } => Step::Sqe(
                 opcode::Fallocate::new(fd, len)
                     .offset(offset)
                     .mode(PUNCH_HOLE)
@@ -180,6 +180,7 @@ impl UringEngine {
                 len,
                 stage,
                 done,
+                durable,
             } => match stage.mode() {
                 Some(mode) => Step::Sqe(
                     opcode::Fallocate::new(fd, len)
@@ -187,6 +188,14 @@ impl UringEngine {
                         .mode(mode)
                         .build(),
                 ),
+                None if done >= len && durable => {
+                    slot.work = Work::SyncThen;
+                    Step::Sqe(
+                        opcode::Fsync::new(fd)
+                            .flags(types::FsyncFlags::DATASYNC)
+                            .build(),
+                    )
+                }
                 None if done >= len => Step::Done(Ok(0)),
                 None => {
                     if self.zero.is_none() {
@@ -223,8 +232,8 @@ impl UringEngine {
         let result = match &mut slot.work {
             Work::Idle | Work::Offloaded { .. } => Some(Err(errno(libc::EIO))),
             Work::Rw(_) => slot.rw_result(i64::from(res)),
-            Work::Flush => Some(code.map_or(Ok(0), |c| Err(errno(c)))),
-            Work::Discard { offset, len } => Some(match code {
+            Work::Flush | Work::SyncThen => Some(code.map_or(Ok(0), |c| Err(errno(c)))),
+            Work::Discard { offset, len, .. } => Some(match code {
                 Some(c) => self.io.discard_failed(errno(c), *offset, *len),
                 None => Ok(0),
             }),
@@ -245,6 +254,13 @@ impl UringEngine {
                 }
             },
         };
+        // A durable discard or write-zeroes that did its work is made durable before it
+        // completes: an fdatasync SQE of its own.
+        if let (Some(Ok(_)), Some(next)) = (&result, slot.work.then_sync()) {
+            slot.work = next;
+            self.advance(idx);
+            return;
+        }
         match result {
             Some(r) => self.finish(idx, r),
             None => self.advance(idx),

@@ -99,6 +99,7 @@ fn check(name: &str, backend: &Arc<Backend>, kind: EngineKind) {
         Op::Discard {
             offset: 1 << 20,
             len: 65536,
+            durable: false,
         },
     ));
     ops.push((
@@ -107,6 +108,7 @@ fn check(name: &str, backend: &Arc<Backend>, kind: EngineKind) {
             offset: 2 << 20,
             len: 65536,
             unmap: false,
+            durable: false,
         },
     ));
     ops.push((
@@ -115,6 +117,7 @@ fn check(name: &str, backend: &Arc<Backend>, kind: EngineKind) {
             offset: 3 << 20,
             len: 65536,
             unmap: true,
+            durable: false,
         },
     ));
 

@@ -62,16 +62,19 @@ fn mem_disk() {
             Op::Discard {
                 offset: 0,
                 len: 65536,
+                durable: false,
             },
             Op::WriteZeroes {
                 offset: 65536,
                 len: 4096,
                 unmap: true,
+                durable: false,
             },
             Op::WriteZeroes {
                 offset: 131072,
                 len: 1024,
                 unmap: false,
+                durable: false,
             },
             Op::Flush,
         ];
@@ -126,6 +129,7 @@ fn mem_read_only() {
                 offset: 0,
                 len: 512,
                 unmap: true,
+                durable: false,
             },
         )
     };
@@ -155,11 +159,13 @@ fn null_disk() {
             Op::Discard {
                 offset: 0,
                 len: 1 << 30,
+                durable: false,
             },
             Op::WriteZeroes {
                 offset: 0,
                 len: 512,
                 unmap: false,
+                durable: false,
             },
         ] {
             // SAFETY: these ops lend no buffer.
@@ -292,7 +298,8 @@ fn block_device() {
                         &mut *e,
                         Op::Discard {
                             offset: off,
-                            len: 4096
+                            len: 4096,
+                            durable: false,
                         }
                     )
                     .unwrap(),
@@ -303,6 +310,7 @@ fn block_device() {
                         offset: off + 4096,
                         len: 8192,
                         unmap,
+                        durable: false,
                     };
                     assert_eq!(run1(&mut *e, op).unwrap(), 0);
                 }

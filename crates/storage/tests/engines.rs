@@ -247,7 +247,16 @@ fn discard(kind: EngineKind) {
         let (off, len) = (256 * 1024u64, 512 * 1024u64);
         let before = st_blocks(&path);
         // SAFETY: Discard lends no buffer.
-        let done = unsafe { run1(&mut *e, Op::Discard { offset: off, len }) };
+        let done = unsafe {
+            run1(
+                &mut *e,
+                Op::Discard {
+                    offset: off,
+                    len,
+                    durable: false,
+                },
+            )
+        };
         assert_eq!(done.unwrap(), 0);
         let got = read(&mut *e, off, &[len as usize], 0).unwrap();
         assert!(
@@ -285,6 +294,7 @@ fn write_zeroes(kind: EngineKind) {
                 offset: off,
                 len,
                 unmap,
+                durable: false,
             };
             // SAFETY: WriteZeroes lends no buffer.
             assert_eq!(unsafe { run1(&mut *e, op) }.unwrap(), 0);
@@ -337,6 +347,7 @@ fn read_only(kind: EngineKind) {
                     offset: 0,
                     len: 4096,
                     unmap: false,
+                    durable: false,
                 },
             )
         };
@@ -372,11 +383,13 @@ fn bad_ops(kind: EngineKind) {
     let discard_past = Op::Discard {
         offset: MIB as u64,
         len: 512,
+        durable: false,
     };
     let zero_wrap = Op::WriteZeroes {
         offset: u64::MAX - 511,
         len: 1024,
         unmap: true,
+        durable: false,
     };
     // SAFETY: `buf` and `iov` outlive the call; the other ops lend nothing.
     let done = unsafe {

@@ -338,10 +338,12 @@ fn workload(
                     offset: offset as u64,
                     len: len as u64,
                     unmap: rng.below(2) == 0,
+                    durable: false,
                 },
                 Kind::Trim => Op::Discard {
                     offset: offset as u64,
                     len: len as u64,
+                    durable: false,
                 },
             };
             match kind {
@@ -517,6 +519,7 @@ fn qemu_nbd_read_write_read_only_and_discard() {
                 offset: 0,
                 len: 4096,
                 unmap: false,
+                durable: false,
             },
         )
     }

@@ -922,11 +922,13 @@ fn to_op(req: &Request, durable: bool) -> Op {
         RequestKind::Discard => Op::Discard {
             offset: req.offset(),
             len: req.len,
+            durable,
         },
         RequestKind::WriteZeroes { unmap } => Op::WriteZeroes {
             offset: req.offset(),
             len: req.len,
             unmap,
+            durable,
         },
     }
 }

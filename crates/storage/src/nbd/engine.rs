@@ -258,7 +258,7 @@ impl NbdEngine {
                 s.cut(0, 1);
                 self.dirty = false;
             }
-            Op::Discard { offset, len } | Op::WriteZeroes { offset, len, .. } => {
+            Op::Discard { offset, len, .. } | Op::WriteZeroes { offset, len, .. } => {
                 if ex.read_only {
                     return Some(Err(errno(libc::EROFS)));
                 }
@@ -269,6 +269,10 @@ impl NbdEngine {
                     return Some(Err(errno(libc::EINVAL)));
                 }
                 s.offset = offset;
+                let durable = matches!(
+                    op,
+                    Op::Discard { durable: true, .. } | Op::WriteZeroes { durable: true, .. }
+                );
                 match op {
                     _ if len == 0 => return Some(Ok(0)),
                     Op::Discard { .. } if !ex.has(FLAG_SEND_TRIM) => return Some(Ok(0)),
@@ -289,6 +293,15 @@ impl NbdEngine {
                         }
                         s.cmd = CMD_WRITE;
                         s.cut(len, u64::from(chunk));
+                    }
+                }
+                // Write-through: the server makes the change durable before it answers
+                // (FUA applies to TRIM and WRITE_ZEROES as to WRITE), or a FLUSH follows.
+                if durable {
+                    if ex.has(FLAG_SEND_FUA) {
+                        s.flags |= CMD_FLAG_FUA;
+                    } else {
+                        s.then_flush = ex.has(FLAG_SEND_FLUSH);
                     }
                 }
             }
@@ -331,6 +344,8 @@ impl NbdEngine {
             s.then_flush = false;
             s.cmd = CMD_FLUSH;
             s.flags = 0;
+            // A FLUSH carries offset 0 and length 0 (strict servers refuse anything else).
+            s.offset = 0;
             s.iov = std::ptr::null();
             s.cut(0, 1);
             let c = usize::from(s.conn);
