@@ -189,13 +189,13 @@ fn switch_target(t: &TargetSpec, to: &str) -> Result<TargetSpec, String> {
         TargetSpec::Socket { .. } => return Err("cannot switch away from --socket".into()),
     };
     match to {
-        "embedded" => Ok(TargetSpec::Embedded(device::DeviceConfig {
+        "embedded" => Ok(TargetSpec::Embedded(Box::new(device::DeviceConfig {
             disk,
             engine,
             cache,
             engine_threads,
             ..embedded_defaults()
-        })),
+        }))),
         "baseline" => Ok(TargetSpec::Baseline {
             disk,
             engine,
@@ -520,7 +520,7 @@ mod tests {
         }
         // Every setting is applied, in order.
         let mut jobs = vec![default_job()];
-        let mut target = TargetSpec::Embedded(embedded_defaults());
+        let mut target = TargetSpec::Embedded(Box::new(embedded_defaults()));
         let mut run = RunConfig::default();
         for (k, v) in &Compare::parse("path=request,elevator=bfq,queue_depth=2;")
             .unwrap()
@@ -579,7 +579,7 @@ mod tests {
     #[test]
     fn variants_reach_the_target_the_run_or_the_jobs() {
         let mut jobs = vec![default_job()];
-        let mut t = TargetSpec::Embedded(embedded_defaults());
+        let mut t = TargetSpec::Embedded(Box::new(embedded_defaults()));
         let mut r = RunConfig::default();
         assert_eq!(auto_pin(1, 1, 2), Some((vec![0], vec![1])));
         assert_eq!(auto_pin(2, 1, 2), None);
@@ -615,7 +615,7 @@ mod tests {
                 ..
             }
         ));
-        let mut e = TargetSpec::Embedded(embedded_defaults());
+        let mut e = TargetSpec::Embedded(Box::new(embedded_defaults()));
         apply_variant("engine_threads", "32", &mut jobs, &mut e, &mut r).unwrap();
         assert!(matches!(&e, TargetSpec::Embedded(c) if c.engine_threads == 32));
         let e = apply_variant("poll_us", "7", &mut jobs, &mut t, &mut r).unwrap_err();

@@ -18,7 +18,7 @@ use crate::stats::ThreadSample;
 pub enum TargetSpec {
     /// A vblk device started in this process on a private socket (its queue count is set
     /// to what the job needs).
-    Embedded(DeviceConfig),
+    Embedded(Box<DeviceConfig>),
     /// Any vhost-user-blk device; `device_pid` lets its CPU time be read from /proc.
     Socket {
         /// The device's socket.
@@ -93,7 +93,7 @@ impl Target {
     pub fn open(spec: &TargetSpec, queues: u16) -> Result<Target, String> {
         match spec {
             TargetSpec::Embedded(cfg) => {
-                let mut cfg = cfg.clone();
+                let mut cfg = DeviceConfig::clone(cfg);
                 cfg.num_queues = queues.max(1);
                 cfg.threads = cfg.threads.clamp(1, usize::from(cfg.num_queues));
                 let dir = tempfile::tempdir().map_err(|e| format!("temp dir: {e}"))?;

@@ -2,6 +2,7 @@
 
 use std::os::fd::RawFd;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use storage::{CacheMode, DiskSpec, EngineKind};
 
@@ -10,8 +11,14 @@ use storage::{CacheMode, DiskSpec, EngineKind};
 /// the default covers VMs of up to 256 vCPUs. A queue the frontend never starts costs a
 /// few hundred bytes of bookkeeping: rings, slots and buffers are allocated when it starts.
 pub const DEFAULT_NUM_QUEUES: u16 = 256;
-/// Most virtqueues `--num-queues` may offer (QEMU's VIRTIO_QUEUE_MAX).
-pub const MAX_NUM_QUEUES: u16 = 1024;
+/// Most virtqueues `--num-queues` may offer. vhost-user names a queue's kick, call and
+/// error descriptors with an 8-bit index (SET_VRING_KICK/CALL/ERR, bits 0-7), so a queue
+/// past 255 could never get its descriptors: a frontend would reach queue `i % 256`.
+pub const MAX_NUM_QUEUES: u16 = 256;
+/// Default for how long stopping a ring waits for its requests (`--drain-timeout-secs`).
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest `--drain-timeout-secs`.
+pub const MAX_DRAIN_TIMEOUT: Duration = Duration::from_secs(3600);
 /// Default for the largest virtqueue size accepted: QEMU's largest (`queue-size=1024`).
 pub const DEFAULT_QUEUE_SIZE: u16 = 1024;
 /// Largest virtqueue size the spec allows.
@@ -74,10 +81,15 @@ pub struct DeviceConfig {
     /// Offer inflight I/O tracking (INFLIGHT_SHMFD), so that a frontend reconnecting
     /// after a crash gets exactly the requests that were in flight resubmitted.
     pub inflight: bool,
-    /// Testing aid: hold every Nth completion back (out-of-order completions).
+    /// Testing aid: hold every Nth operation (or its completion) back.
     pub delay: Option<storage::Delay>,
+    /// How long stopping a ring (GET_VRING_BASE: reset, reboot, shutdown) waits for the
+    /// ring's requests; those still out then are fenced (`fence`).
+    pub drain_timeout: Duration,
     /// Serve statistics snapshots on this Unix socket (`vblk stats PATH`).
     pub control_socket: Option<PathBuf>,
+    /// Who may connect to the sockets the daemon creates.
+    pub socket_access: crate::socket_file::SocketAccess,
     /// Files and block devices: image locking and the format probe.
     pub image: storage::ImageChecks,
     /// Tell vblk drivers (in the hint block, never the guest) that the disk is rotational:
@@ -110,7 +122,9 @@ impl Default for DeviceConfig {
             inflight: true,
             rotational: None,
             delay: None,
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             control_socket: None,
+            socket_access: Default::default(),
             nbd: Default::default(),
         }
     }
@@ -120,8 +134,11 @@ impl Default for DeviceConfig {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
     /// Queue count out of range.
-    #[error("--num-queues {0}: must be between 1 and 1024")]
+    #[error("--num-queues {0}: must be between 1 and 256 (vhost-user's SET_VRING_KICK, CALL and ERR carry an 8-bit queue index)")]
     NumQueues(u16),
+    /// Drain timeout out of range.
+    #[error("--drain-timeout-secs {0}: must be between 1 and 3600")]
+    DrainTimeout(u64),
     /// Queue size not a power of two in range.
     #[error("--queue-size {0}: must be a power of two between 4 and 32768")]
     QueueSize(u16),
@@ -182,6 +199,9 @@ impl DeviceConfig {
                     len: s.len(),
                 });
             }
+        }
+        if self.drain_timeout < Duration::from_secs(1) || self.drain_timeout > MAX_DRAIN_TIMEOUT {
+            return Err(ConfigError::DrainTimeout(self.drain_timeout.as_secs()));
         }
         if self.poll_us > 1_000_000 {
             return Err(ConfigError::PollUs(self.poll_us));

@@ -1,20 +1,30 @@
 //! Listening for frontends: one at a time, and back to listening when one leaves.
+//!
+//! A connection whose session cannot be set up (the disk refuses a new engine: an NBD
+//! server briefly down) is closed and the next one is served; so is a frontend that sends
+//! part of a message and then nothing for [`MESSAGE_TIMEOUT`], or does not read its
+//! replies. Only the listening socket failing ends the daemon.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
-use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use log::{error, info, warn};
 use storage::{Backend, OpenOptions};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{ConfigError, DeviceConfig, Listen};
+use crate::fence::Fence;
 use crate::session::{Session, SessionEnd};
+use crate::socket_file::{SocketError, SocketFile};
 use crate::stats::Stats;
+
+/// How long the rest of a message may take once its first byte came, and how long a reply
+/// may wait for the frontend to read.
+pub const MESSAGE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why the daemon could not start or had to stop.
 #[derive(Debug, thiserror::Error)]
@@ -25,12 +35,9 @@ pub enum Error {
     /// The disk could not be opened.
     #[error(transparent)]
     Storage(#[from] storage::Error),
-    /// Another process listens on the socket path.
-    #[error("socket path {0} is taken: another process is listening on it")]
-    SocketTaken(PathBuf),
-    /// Something that is not a socket is in the way.
-    #[error("socket path {0} exists and is not a socket")]
-    NotASocket(PathBuf),
+    /// The socket path cannot be taken.
+    #[error(transparent)]
+    Socket(#[from] SocketError),
     /// Binding or preparing the socket failed.
     #[error("cannot listen on {path}: {source}")]
     Listen {
@@ -172,7 +179,7 @@ pub fn serve(
         disk.logical_block_size(),
         if config.read_only { ", read-only" } else { "" }
     );
-    let listener = make_listener(listen)?;
+    let (listener, socket_file) = make_listener(listen, config)?;
     let stats = Arc::new(Stats::new(
         usize::from(config.num_queues),
         config.threads.clamp(1, usize::from(config.num_queues)),
@@ -183,13 +190,10 @@ pub fn serve(
             let (s, d) = (stats.clone(), disk.clone());
             let t = crate::stats::serve_control(
                 path,
+                &config.socket_access,
                 move || s.snapshot(d.size()),
                 controls.stopped.as_raw_fd(),
-            )
-            .map_err(|source| Error::Listen {
-                path: path.display().to_string(),
-                source,
-            })?;
+            )?;
             info!(
                 "statistics on {} (vblk stats {})",
                 path.display(),
@@ -204,7 +208,8 @@ pub fn serve(
         config.num_queues, config.queue_size, config.threads, config.engine, config.poll_us
     );
     ready();
-    let result = accept_loop(config, &disk, &listener, listen, controls, &stats);
+    let fence = Arc::new(Fence::new(stats.fence.clone()));
+    let result = accept_loop(config, &disk, &listener, listen, controls, &stats, &fence);
     if let Some(t) = control {
         controls.stop();
         let _ = t.join();
@@ -212,11 +217,7 @@ pub fn serve(
     if let Err(e) = disk.flush() {
         error!("flushing the disk at exit failed: {e}");
     }
-    if let Listen::Path(p) = listen {
-        if let Err(e) = std::fs::remove_file(p) {
-            warn!("cannot remove the socket {}: {e}", p.display());
-        }
-    }
+    drop(socket_file);
     result
 }
 
@@ -227,6 +228,7 @@ fn accept_loop(
     listen: &Listen,
     controls: &Controls,
     stats: &Stats,
+    fence: &Arc<Fence>,
 ) -> Result<(), Error> {
     let listen_err = |source| Error::Listen {
         path: describe(listen),
@@ -247,7 +249,7 @@ fn accept_loop(
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(listen_err(e)),
         };
-        serve_one(config, disk, stream, controls, stats)?;
+        serve_one(config, disk, stream, controls, stats, fence);
     }
     info!("stopping");
     Ok(())
@@ -261,17 +263,37 @@ fn describe(listen: &Listen) -> String {
 }
 
 /// Serve one frontend until it disconnects, breaks the protocol, or the daemon stops.
+/// Whatever goes wrong with this connection ends only this connection.
 fn serve_one(
     config: &DeviceConfig,
     disk: &Arc<Backend>,
     mut stream: UnixStream,
     controls: &Controls,
     stats: &Stats,
-) -> Result<(), Error> {
-    let conn = stream
-        .try_clone()
-        .map_err(|e| Error::VhostUser(format!("cannot clone the connection: {e}")))?;
-    let mut session = Session::new(config, disk, conn, stats)?;
+    fence: &Arc<Fence>,
+) {
+    let prepared = stream
+        .set_read_timeout(Some(MESSAGE_TIMEOUT))
+        .and_then(|()| stream.set_write_timeout(Some(MESSAGE_TIMEOUT)))
+        .and_then(|()| stream.try_clone());
+    let conn = match prepared {
+        Ok(c) => c,
+        Err(e) => {
+            error!("frontend connection refused: cannot set it up: {e}");
+            return;
+        }
+    };
+    let mut session = match Session::new(config, disk, conn, stats, fence) {
+        Ok(s) => s,
+        Err(e) => {
+            stats
+                .lifecycle
+                .failed_setups
+                .fetch_add(1, Ordering::Relaxed);
+            error!("frontend connection closed: its session cannot be set up: {e}; waiting for the next");
+            return;
+        }
+    };
     info!("frontend connected");
     loop {
         match wait(stream.as_raw_fd(), controls) {
@@ -306,25 +328,28 @@ fn serve_one(
             error!("the frontend truncated guest memory under the device; connection closed");
             break;
         }
+        if let Some(w) = session.lost_worker() {
+            stats.lifecycle.lost_workers.fetch_add(1, Ordering::Relaxed);
+            error!("worker {w} ended (it panicked); connection closed");
+            break;
+        }
     }
     let counters = session.counters();
     drop(session);
     for (q, done, bad, failed) in counters {
         info!("queue {q}: {done} requests completed, {bad} rejected, {failed} failed");
     }
-    Ok(())
 }
 
-fn make_listener(listen: &Listen) -> Result<UnixListener, Error> {
+fn make_listener(
+    listen: &Listen,
+    config: &DeviceConfig,
+) -> Result<(UnixListener, Option<SocketFile>), Error> {
     match listen {
         Listen::Path(path) => {
-            clear_stale_socket(path)?;
-            let l = UnixListener::bind(path).map_err(|source| Error::Listen {
-                path: path.display().to_string(),
-                source,
-            })?;
+            let (l, file) = SocketFile::bind(path, &config.socket_access)?;
             info!("listening on {}", path.display());
-            Ok(l)
+            Ok((l, Some(file)))
         }
         Listen::Fd(fd) => {
             // SAFETY: fstat on an fd number only reads metadata; a bad fd gives EBADF.
@@ -345,32 +370,7 @@ fn make_listener(listen: &Listen) -> Result<UnixListener, Error> {
             info!("listening on inherited fd {fd}");
             // SAFETY: the caller handed us this listening socket (--fd); from here on the
             // daemon owns it and nothing else closes it.
-            Ok(unsafe { UnixListener::from_raw_fd(*fd) })
+            Ok((unsafe { UnixListener::from_raw_fd(*fd) }, None))
         }
     }
-}
-
-/// Remove a socket file left by a daemon that is gone; refuse if one still listens.
-fn clear_stale_socket(path: &Path) -> Result<(), Error> {
-    let meta = match std::fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(source) => {
-            return Err(Error::Listen {
-                path: path.display().to_string(),
-                source,
-            })
-        }
-    };
-    if !meta.file_type().is_socket() {
-        return Err(Error::NotASocket(path.to_path_buf()));
-    }
-    if UnixStream::connect(path).is_ok() {
-        return Err(Error::SocketTaken(path.to_path_buf()));
-    }
-    warn!("removing stale socket {}", path.display());
-    std::fs::remove_file(path).map_err(|source| Error::Listen {
-        path: path.display().to_string(),
-        source,
-    })
 }

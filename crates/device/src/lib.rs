@@ -5,6 +5,8 @@
 //! - `blk`: what the device offers: features, configuration space, request limits.
 //! - [`daemon`]: listening (a path or an inherited fd), one frontend at a time, going back
 //!   to listening when it leaves.
+//! - [`socket_file`]: the sockets the daemon creates: stale ones replaced, live ones
+//!   refused, owner-only or a group's, removed at exit only if still ours.
 //! - `wire`: vhost-user messages on the socket: framing, file descriptors, replies, and
 //!   the backend channel.
 //! - `session`: one frontend connection — the vhost-user control plane, each message
@@ -21,6 +23,11 @@
 //! - `stats`: live per-queue and per-worker counters and latency histograms, served as
 //!   JSON on the control socket (`vblk stats`).
 //! - `poll`: the adaptive polling window a worker spins in before it sleeps.
+//! - `fence`: the reset fence: requests from before a reset never land after requests
+//!   from after it.
+//! - `vring_fd`: the kick, call and error descriptors the frontend hands over, read and
+//!   signalled without ever blocking; `watchdog` interrupts the one call that cannot be
+//!   made non-blocking per call (an eventfd write).
 //!
 //! Rules (see DESIGN.md): everything read from the frontend or guest memory is checked; a
 //! bad request gets a status, a chain that cannot be answered stops only its queue; no
@@ -30,6 +37,7 @@
 mod blk;
 pub mod config;
 pub mod daemon;
+mod fence;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod inflight;
@@ -38,9 +46,12 @@ mod poll;
 mod ring;
 mod session;
 mod sigbus;
+pub mod socket_file;
 mod stats;
 #[cfg(test)]
 mod tests;
+mod vring_fd;
+mod watchdog;
 mod wire;
 mod worker;
 

@@ -14,13 +14,14 @@
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+use crate::socket_file::{SocketAccess, SocketError, SocketFile};
 
 /// Add `n` to a counter that only one thread writes (its queue's or its own worker): a
 /// load and a store, without the locked read-modify-write a `fetch_add` costs on every
@@ -162,11 +163,45 @@ pub(crate) struct WorkerStats {
     pub poll_forced: AtomicU64,
 }
 
+/// The reset fence (fence.rs): requests of stopped queues still out, and how long queues
+/// started after them waited.
+#[derive(Debug, Default)]
+pub(crate) struct FenceStats {
+    /// Old requests out now.
+    pub old_requests: AtomicU64,
+    /// Queues that started while old requests were out and waited for them.
+    pub fenced_starts: AtomicU64,
+    /// Their waits, summed and the longest, ns.
+    pub wait_ns_total: AtomicU64,
+    pub wait_ns_max: AtomicU64,
+}
+
+/// Ring stops (GET_VRING_BASE) and the frontend's misbehaviour.
+#[derive(Debug, Default)]
+pub(crate) struct LifecycleStats {
+    /// Rings stopped.
+    pub stops: AtomicU64,
+    /// Stops that found requests in flight and waited for them.
+    pub drains: AtomicU64,
+    /// The longest such wait, ns.
+    pub drain_wait_ns_max: AtomicU64,
+    /// Stops answered at the drain timeout with requests still out (they became old).
+    pub drains_timed_out: AtomicU64,
+    /// Sessions ended because the frontend wedged a call, error or kick descriptor.
+    pub wedged_fds: AtomicU64,
+    /// Sessions ended because a worker did not answer (or panicked).
+    pub lost_workers: AtomicU64,
+    /// Connections whose session could not be set up (the disk refused a new engine).
+    pub failed_setups: AtomicU64,
+}
+
 /// Everything, for one daemon.
 #[derive(Debug)]
 pub(crate) struct Stats {
     pub queues: Vec<Arc<QueueStats>>,
     pub workers: Vec<Arc<WorkerStats>>,
+    pub fence: Arc<FenceStats>,
+    pub lifecycle: Arc<LifecycleStats>,
     started: Instant,
     disk: String,
 }
@@ -176,6 +211,8 @@ impl Stats {
         Stats {
             queues: (0..num_queues).map(|_| Arc::default()).collect(),
             workers: (0..threads).map(|_| Arc::default()).collect(),
+            fence: Arc::default(),
+            lifecycle: Arc::default(),
             started: Instant::now(),
             disk,
         }
@@ -208,6 +245,21 @@ impl Stats {
                 })
             })
             .collect();
+        let (f, l) = (&self.fence, &self.lifecycle);
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let lifecycle = json!({
+            "stops": load(&l.stops),
+            "drains": load(&l.drains),
+            "drain_wait_ns_max": load(&l.drain_wait_ns_max),
+            "drains_timed_out": load(&l.drains_timed_out),
+            "old_requests": load(&f.old_requests),
+            "fenced_starts": load(&f.fenced_starts),
+            "fence_wait_ns_total": load(&f.wait_ns_total),
+            "fence_wait_ns_max": load(&f.wait_ns_max),
+            "wedged_fds": load(&l.wedged_fds),
+            "lost_workers": load(&l.lost_workers),
+            "failed_setups": load(&l.failed_setups),
+        });
         json!({
             "vblk_stats": 1,
             "disk": self.disk,
@@ -216,6 +268,7 @@ impl Stats {
             "num_queues": self.queues.len(),
             "queues": queues,
             "workers": workers,
+            "lifecycle": lifecycle,
         })
     }
 }
@@ -224,12 +277,16 @@ impl Stats {
 /// Runs until `stop_fd` becomes readable (it stays readable once the daemon stops).
 pub(crate) fn serve_control(
     path: &Path,
+    access: &SocketAccess,
     snapshot: impl Fn() -> Value + Send + 'static,
     stop_fd: RawFd,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
-    let _ = std::fs::remove_file(path);
-    let listener = UnixListener::bind(path)?;
-    listener.set_nonblocking(true)?;
+) -> Result<std::thread::JoinHandle<()>, SocketError> {
+    let (listener, file) = SocketFile::bind(path, access)?;
+    let io_err = |source| SocketError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    listener.set_nonblocking(true).map_err(io_err)?;
     let owned = path.to_path_buf();
     std::thread::Builder::new()
         .name("vblk-control".into())
@@ -251,7 +308,7 @@ pub(crate) fn serve_control(
                 continue;
             }
             if fds[1].revents != 0 {
-                let _ = std::fs::remove_file(&owned);
+                drop(file);
                 return;
             }
             match listener.accept() {
@@ -268,6 +325,7 @@ pub(crate) fn serve_control(
                 }
             }
         })
+        .map_err(io_err)
 }
 
 #[cfg(test)]

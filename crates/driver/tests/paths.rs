@@ -51,6 +51,7 @@ fn serial_slow_device(ms: u64) -> DeviceConfig {
         delay: Some(Delay {
             every: 1,
             by: Duration::from_millis(ms),
+            hold: Default::default(),
         }),
         ..mem_device(1)
     }

@@ -1,11 +1,16 @@
-//! A testing aid: an engine wrapper that holds every Nth completion back for a while, so
+//! A testing aid: an engine wrapper that holds every Nth operation back for a while, so
 //! that completions come out of order and some requests stay in flight for long. It is
 //! how the device's out-of-order paths (inflight recovery after a crash, stopping a ring
 //! with requests in flight, guests' timeouts) are exercised with real I/O.
 //!
+//! Two ways of holding: the completion (the operation reaches the disk at once, its
+//! completion is handed out late), or the operation itself (it reaches the disk only when
+//! its time is up: a write held so is one that can land after later writes — what slow or
+//! reordering storage does, and what a reset must not let happen).
+//!
 //! The wrapper's completion fd is an epoll set holding the wrapped engine's fd and a
-//! timerfd armed for the earliest held completion, so a worker sleeping on it wakes for
-//! either.
+//! timerfd armed for the earliest held operation or completion, so a worker sleeping on it
+//! wakes for either.
 
 use std::collections::VecDeque;
 use std::io;
@@ -14,22 +19,52 @@ use std::time::{Duration, Instant};
 
 use crate::engine::{Completion, Engine, Full, Op};
 
-/// Hold every `every`-th completion back by `by`.
+/// Hold every Nth operation (or its completion) back by `by`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Delay {
-    /// Which completions: every this many (1: all).
+    /// Which operations: every this many (1: all).
     pub every: u32,
     /// For how long.
     pub by: Duration,
+    /// What is held.
+    pub hold: Hold,
+}
+
+/// What a [`Delay`] holds back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Hold {
+    /// The completion: the operation reaches the disk at once (`N:MS`).
+    #[default]
+    Completion,
+    /// Every Nth operation itself, before it reaches the disk (`N:MS:hold`).
+    Operation,
+    /// Every Nth write itself; other operations go through at once (`N:MS:hold-writes`).
+    Write,
 }
 
 impl std::str::FromStr for Delay {
     type Err = String;
 
-    /// `N:MS`, e.g. `4:50`: every 4th completion 50 ms late.
+    /// `N:MS[:hold|:hold-writes]`, e.g. `4:50`: every 4th completion 50 ms late.
     fn from_str(s: &str) -> Result<Delay, String> {
-        let bad = || format!("{s:?}: expected N:MS, e.g. 4:50 (every 4th request 50 ms late)");
-        let (n, ms) = s.split_once(':').ok_or_else(bad)?;
+        let bad = || {
+            format!(
+                "{s:?}: expected N:MS, N:MS:hold or N:MS:hold-writes, e.g. 4:50 (every 4th request's completion 50 ms late)"
+            )
+        };
+        let mut parts = s.split(':');
+        let (Some(n), Some(ms)) = (parts.next(), parts.next()) else {
+            return Err(bad());
+        };
+        let hold = match parts.next() {
+            None => Hold::Completion,
+            Some("hold") => Hold::Operation,
+            Some("hold-writes") => Hold::Write,
+            Some(_) => return Err(bad()),
+        };
+        if parts.next().is_some() {
+            return Err(bad());
+        }
         let every: u32 = n.parse().map_err(|_| bad())?;
         let ms: u64 = ms.parse().map_err(|_| bad())?;
         if every == 0 || ms > 60_000 {
@@ -38,6 +73,7 @@ impl std::str::FromStr for Delay {
         Ok(Delay {
             every,
             by: Duration::from_millis(ms),
+            hold,
         })
     }
 }
@@ -48,6 +84,8 @@ pub(crate) struct DelayEngine {
     delay: Delay,
     seen: u64,
     held: VecDeque<(Instant, Completion)>,
+    /// Operations held before they reach the disk (Hold::Operation, Hold::Write).
+    pending: VecDeque<(Instant, u64, Op)>,
     timer: OwnedFd,
     epoll: OwnedFd,
 }
@@ -91,17 +129,25 @@ impl DelayEngine {
             delay,
             seen: 0,
             held: VecDeque::new(),
+            pending: VecDeque::new(),
             timer,
             epoll,
         })
     }
 
-    /// Arm the timer for the earliest held completion (or disarm it).
+    /// The earliest held operation or completion's time.
+    fn first_due(&self) -> Option<Instant> {
+        let held = self.held.front().map(|(d, _)| *d);
+        let pending = self.pending.front().map(|(d, _, _)| *d);
+        held.into_iter().chain(pending).min()
+    }
+
+    /// Arm the timer for the earliest held operation or completion (or disarm it).
     fn arm(&self) {
         let mut spec: libc::itimerspec =
             // SAFETY: itimerspec is plain data; all-zero disarms.
             unsafe { std::mem::zeroed() };
-        if let Some((due, _)) = self.held.front() {
+        if let Some(due) = self.first_due() {
             let left = due
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_micros(1));
@@ -125,8 +171,24 @@ impl Engine for DelayEngine {
     }
 
     unsafe fn push(&mut self, token: u64, op: Op) -> Result<(), Full> {
-        // SAFETY: the caller's contract, forwarded; held completions keep it (the caller
-        // does not see them before they are handed over).
+        let selected = match self.delay.hold {
+            Hold::Completion => false,
+            Hold::Operation => true,
+            Hold::Write => matches!(op, Op::Write { .. }),
+        };
+        if selected {
+            self.seen += 1;
+            if self.seen.is_multiple_of(u64::from(self.delay.every)) {
+                // The worker never has more than the engine's depth out, so the inner
+                // engine has room for every held operation when its time comes.
+                self.pending
+                    .push_back((Instant::now() + self.delay.by, token, op));
+                self.arm();
+                return Ok(());
+            }
+        }
+        // SAFETY: the caller's contract, forwarded; held operations and completions keep
+        // it (the caller does not see them before they are handed over).
         unsafe { self.inner.push(token, op) }
     }
 
@@ -136,6 +198,32 @@ impl Engine for DelayEngine {
 
     fn reap(&mut self, f: &mut dyn FnMut(Completion)) -> usize {
         let now = Instant::now();
+        if self.delay.hold != Hold::Completion {
+            // Held operations whose time is up go to the disk now.
+            let mut released = false;
+            while self.pending.front().is_some_and(|(due, _, _)| *due <= now) {
+                let Some((_, token, op)) = self.pending.pop_front() else {
+                    break;
+                };
+                // SAFETY: the contract the caller gave for this operation at push still
+                // holds: it has not seen its completion.
+                if unsafe { self.inner.push(token, op) }.is_err() {
+                    f(Completion {
+                        token,
+                        result: Err(io::Error::from_raw_os_error(libc::EBUSY)),
+                    });
+                    continue;
+                }
+                released = true;
+            }
+            if released {
+                let _ = self.inner.submit();
+            }
+            let n = self.inner.reap(f);
+            self.clear_timer();
+            self.arm();
+            return n;
+        }
         let every = u64::from(self.delay.every);
         let by = self.delay.by;
         let mut n = 0;
@@ -165,7 +253,7 @@ impl Engine for DelayEngine {
         if self.inner.in_flight() > 0 {
             return self.inner.wait();
         }
-        if let Some((due, _)) = self.held.front() {
+        if let Some(due) = self.first_due() {
             std::thread::sleep(due.saturating_duration_since(Instant::now()));
         }
         Ok(())
@@ -176,7 +264,7 @@ impl Engine for DelayEngine {
     }
 
     fn in_flight(&self) -> usize {
-        self.inner.in_flight() + self.held.len()
+        self.inner.in_flight() + self.held.len() + self.pending.len()
     }
 
     fn backlog(&self) -> usize {
@@ -202,11 +290,22 @@ mod tests {
             "4:50".parse::<Delay>(),
             Ok(Delay {
                 every: 4,
-                by: Duration::from_millis(50)
+                by: Duration::from_millis(50),
+                hold: Hold::Completion,
             })
+        );
+        assert_eq!(
+            "3:10:hold-writes".parse::<Delay>().map(|d| d.hold),
+            Ok(Hold::Write)
+        );
+        assert_eq!(
+            "3:10:hold".parse::<Delay>().map(|d| d.hold),
+            Ok(Hold::Operation)
         );
         assert!("0:50".parse::<Delay>().is_err());
         assert!("4".parse::<Delay>().is_err());
+        assert!("4:5:later".parse::<Delay>().is_err());
+        assert!("4:5:hold:x".parse::<Delay>().is_err());
         let target = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/tmp");
         std::fs::create_dir_all(target).unwrap();
         let dir = tempfile::tempdir_in(target).unwrap();
@@ -220,6 +319,7 @@ mod tests {
                 Delay {
                     every: 2,
                     by: Duration::from_millis(80),
+                    hold: Hold::Completion,
                 },
             )
             .unwrap();
@@ -272,5 +372,65 @@ mod tests {
             assert_eq!(got, vec![0, 1, 2, 3]);
             assert!(bufs.iter().all(|b| b.iter().all(|&x| x == 7)));
         }
+    }
+
+    /// With `hold-writes` a held write reaches the disk only when its time is up: a later
+    /// write to the same place lands first and is overwritten (the reordering a reset
+    /// must never let through), and reads are not held.
+    #[test]
+    fn a_held_write_lands_after_a_later_one() {
+        let target = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/tmp");
+        std::fs::create_dir_all(target).unwrap();
+        let dir = tempfile::tempdir_in(target).unwrap();
+        let path = dir.path().join("h.img");
+        std::fs::write(&path, vec![0u8; 65536]).unwrap();
+        let b = Arc::new(
+            Backend::open(&DiskSpec::File(path.clone()), &OpenOptions::default()).unwrap(),
+        );
+        let mut e = delayed(
+            b.engine(EngineKind::IoUring, 8).unwrap(),
+            "2:150:hold-writes".parse().unwrap(),
+        )
+        .unwrap();
+        let mut first = vec![1u8; 512];
+        let mut second = vec![2u8; 512];
+        let mut third = vec![3u8; 512];
+        let iov = |b: &mut Vec<u8>| libc::iovec {
+            iov_base: b.as_mut_ptr().cast(),
+            iov_len: 512,
+        };
+        let (v1, v2, v3) = (iov(&mut first), iov(&mut second), iov(&mut third));
+        let w = |v: &libc::iovec| Op::Write {
+            offset: 0,
+            iov: v,
+            iovcnt: 1,
+            durable: false,
+        };
+        let t0 = Instant::now();
+        let mut got = Vec::new();
+        // SAFETY: the buffers outlive every completion, all reaped below.
+        unsafe { e.push(1, w(&v1)) }.unwrap();
+        // SAFETY: as above.
+        unsafe { e.push(2, w(&v2)) }.unwrap(); // the 2nd write: held
+        e.submit().unwrap();
+        while got.is_empty() {
+            e.wait().unwrap();
+            e.reap(&mut |c| got.push(c.token));
+        }
+        assert_eq!(got, vec![1]);
+        // SAFETY: as above.
+        unsafe { e.push(3, w(&v3)) }.unwrap(); // the 3rd: not held, lands before the 2nd
+        e.submit().unwrap();
+        while got.len() < 3 {
+            e.wait().unwrap();
+            e.reap(&mut |c| got.push(c.token));
+        }
+        assert_eq!(got, vec![1, 3, 2], "the held write completes last");
+        assert!(t0.elapsed() >= Duration::from_millis(150));
+        assert_eq!(
+            std::fs::read(&path).unwrap()[..512],
+            [2u8; 512],
+            "and lands last"
+        );
     }
 }

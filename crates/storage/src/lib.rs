@@ -58,7 +58,7 @@ mod threads_engine;
 mod uring_engine;
 
 pub use backend::{Backend, BackendKind, CacheMode, ImageChecks, OpenOptions};
-pub use delay::{delayed, Delay};
+pub use delay::{delayed, Delay, Hold};
 pub use engine::{Completion, Engine, EngineKind, Full, Op, MAX_DEPTH};
 pub use error::Error;
 pub use format::{probe, Format, ImageFormat, PROBE_HEAD, PROBE_TAIL};

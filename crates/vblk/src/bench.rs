@@ -347,7 +347,7 @@ impl TryFrom<&BenchArgs> for Plan {
                 engine_threads: a.engine_threads,
             }
         } else {
-            TargetSpec::Embedded(device::DeviceConfig {
+            TargetSpec::Embedded(Box::new(device::DeviceConfig {
                 disk: a.disk.clone(),
                 engine,
                 cache,
@@ -359,7 +359,7 @@ impl TryFrom<&BenchArgs> for Plan {
                     ..Default::default()
                 },
                 ..plan::embedded_defaults()
-            })
+            }))
         };
         let mut request = driver::RequestOptions::default();
         for (k, v) in [

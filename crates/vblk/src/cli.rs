@@ -46,7 +46,7 @@ pub enum LogLevel {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     // The subcommands' help comes from their argument structs' doc comments.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Attach to a vhost-user-blk device and print what it offers (like nbdinfo).
     Info(InfoArgs),
     Bench(Box<BenchArgs>),
@@ -87,7 +87,7 @@ pub fn run(cli: Cli) -> Result<(), Box<dyn Error>> {
         .target(env_logger::Target::Stderr)
         .init();
     match cli.command {
-        Command::Serve(args) => crate::serve::run(args),
+        Command::Serve(args) => crate::serve::run(*args),
         Command::Info(args) => crate::info::run(args),
         Command::Bench(args) => crate::bench::run(*args),
         Command::Stats(args) => crate::stats::run(args),

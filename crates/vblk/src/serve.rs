@@ -96,9 +96,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "STRING")]
     pub serial: Option<String>,
 
-    /// Number of virtqueues offered (1-1024). QEMU's vhost-user-blk-pci asks for one per
-    /// vCPU by default and refuses to start with fewer; the default covers VMs of up to
-    /// 256 vCPUs. Queues the frontend never starts cost nothing but a few hundred bytes.
+    /// Number of virtqueues offered (1-256: vhost-user passes a queue's descriptors with an
+    /// 8-bit index). QEMU's vhost-user-blk-pci asks for one per vCPU by default and refuses
+    /// to start with fewer; the default covers VMs of up to 256 vCPUs. Queues the frontend
+    /// never starts cost nothing but a few hundred bytes.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_NUM_QUEUES)]
     pub num_queues: u16,
 
@@ -187,14 +188,31 @@ pub struct ServeArgs {
 
     /// Serve live statistics on this Unix socket: per queue, requests and bytes by type,
     /// errors, requests in flight, latency histograms; per worker, polling hits and
-    /// misses. Read them with `vblk stats PATH` (or `--json`; `--interval 1` for rates).
+    /// misses; ring stops, the reset fence and sessions ended by a misbehaving frontend.
+    /// Read them with `vblk stats PATH` (or `--json`; `--interval 1` for rates).
     #[arg(long, value_name = "PATH")]
     pub control_socket: Option<PathBuf>,
 
-    /// Testing aid: hold every Nth request's completion back MS milliseconds (N:MS, e.g.
-    /// 4:50), so that completions come out of order and some requests stay in flight for
-    /// long. For testing guests, frontends and crash recovery; never for production.
-    #[arg(long, value_name = "N:MS")]
+    /// The group that may connect to the sockets vblk creates (--socket-path,
+    /// --control-socket): they are made mode 0660 with this group (a name or a number)
+    /// [default: mode 0600, the daemon's user only; the umask is not used]. A frontend
+    /// running as another user, such as libvirt's qemu user, connects through the group.
+    #[arg(long, value_name = "GROUP")]
+    pub socket_group: Option<String>,
+
+    /// How long stopping a ring waits for its requests (the frontend stops rings to reset,
+    /// reboot, pause or shut down the VM; QEMU waits for the answer). Requests still at the
+    /// disk then are fenced: no request taken after the stop reaches the disk or the
+    /// guest's memory before they end, and `vblk stats` counts the wait.
+    #[arg(long, value_name = "SECS", default_value_t = 60)]
+    pub drain_timeout_secs: u64,
+
+    /// Testing aid: hold every Nth request MS milliseconds (N:MS, e.g. 4:50): its
+    /// completion by default, so that completions come out of order and some requests stay
+    /// in flight for long; with N:MS:hold the request itself, before it reaches the disk;
+    /// with N:MS:hold-writes every Nth write (reads go through at once). For testing guests,
+    /// frontends and crash recovery; never for production.
+    #[arg(long, value_name = "N:MS[:hold|:hold-writes]")]
     pub delay_every: Option<storage::Delay>,
 }
 
@@ -315,7 +333,11 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             inflight: !a.no_inflight,
             rotational: a.rotational.then_some(true),
             delay: a.delay_every,
+            drain_timeout: Duration::from_secs(a.drain_timeout_secs),
             control_socket: a.control_socket,
+            socket_access: device::socket_file::SocketAccess {
+                group: a.socket_group,
+            },
             nbd: NbdOptions {
                 reconnect: Duration::from_secs(a.nbd_reconnect_secs),
                 timeout: Duration::from_secs(a.nbd_timeout_secs.max(1)),
@@ -409,7 +431,7 @@ mod tests {
         let cli =
             Cli::try_parse_from(["vblk", "serve"].iter().chain(args)).map_err(|e| e.to_string())?;
         match cli.command {
-            Command::Serve(a) => <(DeviceConfig, Listen)>::try_from(a),
+            Command::Serve(a) => <(DeviceConfig, Listen)>::try_from(*a),
             _ => Err("not serve".into()),
         }
     }

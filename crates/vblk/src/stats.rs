@@ -192,6 +192,33 @@ fn print_snapshot(v: &Value) {
             }
         );
     }
+    let l = &v["lifecycle"];
+    if !l.is_null() {
+        println!(
+            "rings stopped {} times, {} waited for requests in flight (longest {:.1} ms), {} ran out of time",
+            u(&l["stops"]),
+            u(&l["drains"]),
+            u(&l["drain_wait_ns_max"]) as f64 / 1e6,
+            u(&l["drains_timed_out"]),
+        );
+        println!(
+            "reset fence: {} requests from before a reset still out; {} queues waited for them (longest {:.1} ms, {:.1} ms in all)",
+            u(&l["old_requests"]),
+            u(&l["fenced_starts"]),
+            u(&l["fence_wait_ns_max"]) as f64 / 1e6,
+            u(&l["fence_wait_ns_total"]) as f64 / 1e6,
+        );
+        let (w, lost, failed) = (
+            u(&l["wedged_fds"]),
+            u(&l["lost_workers"]),
+            u(&l["failed_setups"]),
+        );
+        if w + lost + failed > 0 {
+            println!(
+                "sessions ended: {w} for a wedged descriptor, {lost} for a worker that did not answer; {failed} connections could not be set up"
+            );
+        }
+    }
 }
 
 /// One queue's counters, for differences.

@@ -11,20 +11,23 @@
 //!
 //! Rings: a ring starts when it has a size, addresses, memory and a kick fd
 //! (SET_VRING_KICK), and is handed to its worker; it stops on GET_VRING_BASE, which waits
-//! for its requests to finish and answers the next available index. The eventfds the
-//! frontend passes are made non-blocking: a saturated call eventfd or a full pipe never
-//! blocks a worker.
+//! (up to the drain timeout) for its requests to finish and answers the next available
+//! index. The kick, call and error descriptors are checked to be eventfds, pipes or
+//! sockets and are used in ways that never block (`vring_fd`), whatever the frontend does
+//! to their flags.
+//!
+//! Every wait on a worker has a deadline: a worker that does not answer in time, or whose
+//! thread panicked, ends the session (and the daemon serves the next frontend).
 
 mod messages;
 
 use std::fs::File;
-use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
-use log::{debug, info, warn};
+use log::{debug, error, info, warn};
 use proto::config::WRITEBACK_OFFSET;
 use proto::wire::feature;
 use proto::RingInfo;
@@ -32,17 +35,22 @@ use storage::Backend;
 
 use crate::blk::Blk;
 use crate::config::DeviceConfig;
+use crate::fence::Fence;
 use crate::inflight::InflightRegion;
 use crate::memory::{GuestMemory, RegionDesc};
 use crate::ring::{DeviceRing, RingAddrs};
-use crate::stats::{QueueStats, Stats};
+use crate::stats::{LifecycleStats, QueueStats, Stats};
+use crate::vring_fd::VringFd;
 use crate::wire::{protocol, BackendChannel};
-use crate::worker::{indirect_acked, Command, QueueStart, WorkerHandle, WorkerSetup};
+use crate::worker::{indirect_acked, Command, Lost, QueueStart, WorkerHandle, WorkerSetup};
 
 pub(crate) use messages::SessionEnd;
 
 /// Most requests one worker's engine holds at once; chains beyond wait in their rings.
 const MAX_ENGINE_DEPTH: usize = 4096;
+/// How long a worker may take to answer a command that waits for nothing (a new memory
+/// view) — and beyond the drain timeout, one that does (a ring stop).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why a request was refused (NACKed when REPLY_ACK was negotiated; ends the connection).
 #[derive(Debug)]
@@ -62,9 +70,9 @@ struct Vring {
     addrs: Option<RingAddrs>,
     base: u16,
     /// Fds held until the ring starts (then they belong to the worker).
-    kick: Option<File>,
-    call: Option<File>,
-    err: Option<File>,
+    kick: Option<VringFd>,
+    call: Option<VringFd>,
+    err: Option<VringFd>,
     enabled: bool,
     started: bool,
 }
@@ -88,6 +96,9 @@ pub(crate) struct Session {
     poison: Arc<AtomicBool>,
     vrings: Vec<Vring>,
     stats: Vec<Arc<QueueStats>>,
+    lifecycle: Arc<LifecycleStats>,
+    /// How long a ring stop may wait for its requests.
+    drain_timeout: Duration,
     /// (completed, rejected, failed) per queue when the session began.
     base: Vec<(u64, u64, u64)>,
 }
@@ -100,6 +111,7 @@ impl Session {
         disk: &Arc<Backend>,
         conn: UnixStream,
         stats: &Stats,
+        fence: &Arc<Fence>,
     ) -> Result<Session, storage::Error> {
         let blk = Arc::new(Blk::new(config, disk));
         let num_queues = usize::from(config.num_queues);
@@ -129,13 +141,18 @@ impl Session {
                 poll_us: config.poll_us,
                 cpu: (!config.cpus.is_empty()).then(|| config.cpus[t % config.cpus.len()]),
                 submit_batch: config.effective_submit_batch(),
+                drain_timeout: config.drain_timeout,
+                fence: fence.clone(),
                 poison: poison.clone(),
                 kill: Box::new(move || {
                     let _ = conn.shutdown(std::net::Shutdown::Both);
                 }),
                 stats: stats.workers[t].clone(),
+                lifecycle: stats.lifecycle.clone(),
             };
-            workers.push(WorkerHandle::spawn(setup).map_err(|source| {
+            // Ending waits for the engine's requests: as long as a drain may take.
+            let join = config.drain_timeout + ANSWER_TIMEOUT;
+            workers.push(WorkerHandle::spawn(setup, join).map_err(|source| {
                 storage::Error::EngineSetup {
                     engine: "worker thread",
                     depth: depth as u32,
@@ -158,6 +175,8 @@ impl Session {
             workers,
             base: stats.queues.iter().map(|q| counts(q)).collect(),
             stats: stats.queues.clone(),
+            lifecycle: stats.lifecycle.clone(),
+            drain_timeout: config.drain_timeout,
         })
     }
 
@@ -182,10 +201,17 @@ impl Session {
     pub(crate) fn shutdown(&mut self) {
         for i in 0..self.vrings.len() {
             if self.vrings[i].started {
-                let next = self.stop(i);
-                info!("queue {i}: stopped for shutdown at available index {next}");
+                match self.stop(i) {
+                    Ok(next) => info!("queue {i}: stopped for shutdown at available index {next}"),
+                    Err(Refusal(why)) => error!("queue {i}: not stopped cleanly: {why}"),
+                }
             }
         }
+    }
+
+    /// A worker thread that ended on its own (it panicked): the session cannot go on.
+    pub(crate) fn lost_worker(&self) -> Option<usize> {
+        self.workers.iter().position(|w| w.ended())
     }
 
     /// Whether the SIGBUS guard caught the frontend truncating guest memory.
@@ -273,11 +299,14 @@ impl Session {
             indirect,
             max_indirect: RingInfo::max_indirect_for(size, self.blk.base_limits.seg_max),
         };
+        let Some(kick) = v.kick.take() else {
+            return Ok(());
+        };
         let start = QueueStart {
             index,
             ring,
             info,
-            kick: v.kick.take().expect("checked above"),
+            kick,
             call: v.call.take(),
             err: v.err.take(),
             // Without VHOST_USER_F_PROTOCOL_FEATURES a ring starts enabled.
@@ -292,47 +321,39 @@ impl Session {
         Ok(())
     }
 
-    /// Stop ring `index` if it runs; the next available index.
-    fn stop(&mut self, index: usize) -> u16 {
+    /// Stop ring `index` if it runs; the next available index. The worker answers once
+    /// the ring's requests are done, or at the drain timeout.
+    fn stop(&mut self, index: usize) -> Answer<u16> {
         let v = &mut self.vrings[index];
         if !v.started {
-            return v.base;
+            return Ok(v.base);
         }
         v.started = false;
+        let deadline = self.drain_timeout + ANSWER_TIMEOUT;
         let next = self.workers[index % self.threads]
-            .ask(|reply| Command::Stop {
+            .ask(deadline, |reply| Command::Stop {
                 queue: index,
                 reply,
             })
-            .unwrap_or(self.vrings[index].base);
+            .map_err(|e| self.lost(e))?;
         self.vrings[index].base = next;
-        next
+        Ok(next)
+    }
+
+    fn lost(&self, e: Lost) -> Refusal {
+        self.lifecycle.lost_workers.fetch_add(1, Ordering::Relaxed);
+        refuse(format!("{e}; the session cannot go on"))
     }
 
     /// Give every worker the current memory view and wait until they use it.
-    fn publish_memory(&mut self, mem: GuestMemory) {
+    fn publish_memory(&mut self, mem: GuestMemory) -> Answer<()> {
         self.mem = Arc::new(mem);
         for w in &self.workers {
             let mem = self.mem.clone();
-            let _ = w.ask(|reply| Command::Memory { mem, reply });
+            w.ask(ANSWER_TIMEOUT, |reply| Command::Memory { mem, reply })
+                .map_err(|e| self.lost(e))?;
         }
-    }
-
-    fn set_nonblocking(f: &File, what: &str) -> Answer<()> {
-        let fd = f.as_raw_fd();
-        // SAFETY: fcntl on a descriptor we own; F_GETFL/F_SETFL take no pointers.
-        let ok = unsafe {
-            let flags = libc::fcntl(fd, libc::F_GETFL);
-            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
-        };
-        if ok {
-            Ok(())
-        } else {
-            Err(refuse(format!(
-                "{what}: cannot make the fd non-blocking: {}",
-                io::Error::last_os_error()
-            )))
-        }
+        Ok(())
     }
 }
 
@@ -348,7 +369,7 @@ impl Session {
 
     fn reset_owner(&mut self) -> Answer<()> {
         for i in 0..self.vrings.len() {
-            self.stop(i);
+            self.stop(i)?;
         }
         self.vrings.iter_mut().for_each(|v| *v = Vring::default());
         self.owner = false;
@@ -386,8 +407,7 @@ impl Session {
         let mem = GuestMemory::replaced(regions, &self.poison)
             .map_err(|e| refuse(format!("SET_MEM_TABLE: {e}")))?;
         info!("memory table: {} regions", mem.len());
-        self.publish_memory(mem);
-        Ok(())
+        self.publish_memory(mem)
     }
 
     fn set_vring_num(&mut self, index: u32, num: u32) -> Answer<()> {
@@ -444,7 +464,7 @@ impl Session {
     /// GET_VRING_BASE: stop the ring; the next available index.
     fn get_vring_base(&mut self, index: u32) -> Answer<u16> {
         self.vring(index, "GET_VRING_BASE")?;
-        let next = self.stop(index as usize);
+        let next = self.stop(index as usize)?;
         let v = &mut self.vrings[index as usize];
         v.kick = None;
         v.call = None;
@@ -459,7 +479,7 @@ impl Session {
                 "SET_VRING_KICK: queue {index} without a kick fd (polling mode) is not supported"
             )));
         };
-        Self::set_nonblocking(&fd, "SET_VRING_KICK")?;
+        let fd = vring_fd(fd, "SET_VRING_KICK", index, "kick")?;
         let queue = index as usize;
         if v.started {
             self.worker(queue).send(Command::SetKick { queue, fd });
@@ -475,9 +495,9 @@ impl Session {
 
     fn set_vring_call(&mut self, index: u32, fd: Option<File>) -> Answer<()> {
         let v = self.vring(index, "SET_VRING_CALL")?;
-        if let Some(f) = &fd {
-            Self::set_nonblocking(f, "SET_VRING_CALL")?;
-        }
+        let fd = fd
+            .map(|f| vring_fd(f, "SET_VRING_CALL", index, "call"))
+            .transpose()?;
         let queue = index as usize;
         if v.started {
             self.worker(queue).send(Command::SetCall { queue, fd });
@@ -489,9 +509,9 @@ impl Session {
 
     fn set_vring_err(&mut self, index: u32, fd: Option<File>) -> Answer<()> {
         let v = self.vring(index, "SET_VRING_ERR")?;
-        if let Some(f) = &fd {
-            Self::set_nonblocking(f, "SET_VRING_ERR")?;
-        }
+        let fd = fd
+            .map(|f| vring_fd(f, "SET_VRING_ERR", index, "error"))
+            .transpose()?;
         let queue = index as usize;
         if v.started {
             self.worker(queue).send(Command::SetErr { queue, fd });
@@ -624,8 +644,7 @@ impl Session {
             .with_region(d, fd, &self.poison)
             .map_err(|e| refuse(format!("ADD_MEM_REG: {e}")))?;
         debug!("memory region added at {:#x} + {:#x}", d.gpa, d.size);
-        self.publish_memory(mem);
-        Ok(())
+        self.publish_memory(mem)
     }
 
     fn remove_mem_region(&mut self, d: RegionDesc) -> Answer<()> {
@@ -633,9 +652,13 @@ impl Session {
             .mem
             .without_region(d.gpa, d.size)
             .map_err(|e| refuse(format!("REM_MEM_REG: {e}")))?;
-        self.publish_memory(mem);
-        Ok(())
+        self.publish_memory(mem)
     }
+}
+
+/// A kick, call or error descriptor, or the refusal that names what it is instead.
+fn vring_fd(f: File, msg: &str, index: u32, role: &str) -> Answer<VringFd> {
+    VringFd::new(f, role).map_err(|e| refuse(format!("{msg}: queue {index}: {e}")))
 }
 
 fn counts(q: &QueueStats) -> (u64, u64, u64) {

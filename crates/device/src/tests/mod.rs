@@ -13,6 +13,7 @@
 //! the request's writable bytes and the used ring is untouched, and that the disk holds
 //! what it should.
 
+mod lifecycle;
 mod requests;
 mod rings;
 mod session;
@@ -76,6 +77,11 @@ fn d(addr: u64, len: u32, flags: u16, next: u16) -> RawDescriptor {
     RawDescriptor::from(Descriptor::new(addr, len, flags, next))
 }
 
+/// A vring descriptor for the worker, from a `File` the test made.
+fn vfd(f: File) -> crate::vring_fd::VringFd {
+    crate::vring_fd::VringFd::new(f, "test").unwrap()
+}
+
 /// An eventfd and a `File` for the same counter (what a frontend passes).
 fn eventfd_pair() -> (EventFd, File) {
     let efd = EventFd::new(EFD_NONBLOCK).unwrap();
@@ -100,6 +106,10 @@ struct Rig {
     /// The queue's call and error eventfds, as the frontend would read them.
     call: EventFd,
     err: EventFd,
+    /// Raised when the worker ends the session (its `kill`).
+    killed: Arc<AtomicBool>,
+    /// The reset fence the worker counts old requests in.
+    fence: Arc<crate::fence::Fence>,
 }
 
 /// What the device answered for one request.
@@ -169,6 +179,9 @@ impl Rig {
         let mock = MockSplitQueue::new(&mem, QSIZE);
         let (desc, avail, used) = (mock.desc_table_addr().0, mock.avail_addr().0, USED_RING);
         assert!(avail + 6 + 2 * u64::from(QSIZE) <= used);
+        let killed = Arc::new(AtomicBool::new(false));
+        let fence: Arc<crate::fence::Fence> = Arc::default();
+        let k = killed.clone();
         let (worker, mailbox) = Worker::for_test(WorkerSetup {
             id: 0,
             blk: blk.clone(),
@@ -177,9 +190,12 @@ impl Rig {
             poll_us: 0,
             cpu: None,
             submit_batch: 0,
+            drain_timeout: crate::config::DEFAULT_DRAIN_TIMEOUT,
+            fence: fence.clone(),
             poison: Arc::new(AtomicBool::new(false)),
-            kill: Box::new(|| {}),
+            kill: Box::new(move || k.store(true, std::sync::atomic::Ordering::SeqCst)),
             stats: Arc::default(),
+            lifecycle: Arc::default(),
         });
         let (call, call_file) = eventfd_pair();
         let (err, err_file) = eventfd_pair();
@@ -197,6 +213,8 @@ impl Rig {
             stats: Arc::default(),
             call,
             err,
+            killed,
+            fence,
         };
         let gm = Arc::new(GuestMemory::from_mmap(rig.mem.clone()));
         rig.ask(|reply| Command::Memory {
@@ -214,9 +232,9 @@ impl Rig {
                 indirect: features & feature::bit(feature::RING_INDIRECT_DESC) != 0,
                 max_indirect: RingInfo::max_indirect_for(QSIZE, rig.blk.base_limits.seg_max),
             },
-            kick: kick_file,
-            call: Some(call_file),
-            err: Some(err_file),
+            kick: vfd(kick_file),
+            call: Some(vfd(call_file)),
+            err: Some(vfd(err_file)),
             enabled: true,
             stats: rig.stats.clone(),
             inflight: None,

@@ -32,7 +32,7 @@ fn flush_batch(rig: &mut Rig, n: u16) {
 
 /// Publish `n` one-sector reads (heads 0, 3, 6, ...; sector r, data at DATA + 512 r,
 /// status at STATUS + r).
-fn read_batch(rig: &mut Rig, n: u16) {
+pub(super) fn read_batch(rig: &mut Rig, n: u16) {
     for r in 0..n {
         let base = r * 3;
         let hdr = HDR + 0x20 * u64::from(r);
@@ -171,7 +171,7 @@ impl Engine for HoldEngine {
 }
 
 /// A rig whose engine holds operations until `release` allows them.
-fn hold_rig(depth: usize) -> (Rig, Arc<AtomicUsize>) {
+pub(super) fn hold_rig(depth: usize) -> (Rig, Arc<AtomicUsize>) {
     let (rig, release, _fail) = hold_rig_failing(depth);
     (rig, release)
 }
@@ -252,7 +252,7 @@ fn a_head_offered_again_while_in_flight_stops_the_queue() {
     assert_eq!(rig.stop(), 1, "the repeated head is the next to process");
 }
 
-fn step(rig: &mut Rig, n: usize) {
+pub(super) fn step(rig: &mut Rig, n: usize) {
     for _ in 0..n {
         rig.worker.step();
     }
@@ -311,7 +311,7 @@ fn stopping_a_ring_waits_for_its_requests() {
 #[test]
 fn completions_after_a_timed_out_stop_are_never_published() {
     let (mut rig, release) = hold_rig(16);
-    rig.worker.set_stop_timeout(Duration::from_millis(30));
+    rig.worker.set_drain_timeout(Duration::from_millis(30));
     read_batch(&mut rig, 2);
     step(&mut rig, 3);
     let rx = rig.post(|reply| Command::Stop { queue: 0, reply });
@@ -438,46 +438,94 @@ fn used_event_is_honoured_with_event_idx() {
 
 // ---- inflight tracking ----
 
-/// A queue stopped with requests in flight is answered at once when an inflight region is
-/// in use; the next start of the queue resubmits exactly the unanswered heads (in the
-/// order they were taken), after the old I/O for them has ended.
+/// Start queue `index` on the rig's ring addresses (the same memory as queue 0's), with
+/// `region`'s part for it if given; the heads to resubmit and the next available index.
+pub(super) fn start_queue(
+    rig: &mut Rig,
+    index: usize,
+    region: Option<&Arc<crate::inflight::InflightRegion>>,
+) -> (Vec<u16>, u16) {
+    let gm = Arc::new(GuestMemory::from_mmap(rig.mem.clone()));
+    let mut ring = DeviceRing::new(&gm, QSIZE, rig.addrs(), true, rig.next_avail).unwrap();
+    let (inflight, resubmit, next) = match region {
+        Some(region) => {
+            let mut iq = region.queue(index, QSIZE).unwrap();
+            let (resubmit, next) = iq.prepare(ring.next_used());
+            ring.set_next_avail(next);
+            (Some(iq), resubmit, next)
+        }
+        None => (None, Vec::new(), rig.next_avail),
+    };
+    let (_k, kick) = eventfd_pair();
+    let (_c, call) = eventfd_pair();
+    let qs = QueueStart {
+        index,
+        ring,
+        info: RingInfo {
+            desc_table: GuestAddress(rig.desc),
+            size: QSIZE,
+            indirect: true,
+            max_indirect: RingInfo::max_indirect_for(QSIZE, 254),
+        },
+        kick: vfd(kick),
+        call: Some(vfd(call)),
+        err: None,
+        enabled: true,
+        stats: rig.stats.clone(),
+        inflight,
+        resubmit: resubmit.clone(),
+    };
+    Worker::post(&rig.mailbox, Command::Start(Box::new(qs)));
+    rig.worker.step();
+    (resubmit, next)
+}
+
+/// Stopping a ring waits for its requests even when an inflight region would let a later
+/// start resubmit them: a guest that reboots must not have a write taken before the
+/// reboot land after one taken after it.
 #[test]
-fn inflight_region_resubmits_what_a_stopped_queue_left() {
+fn a_stop_waits_for_requests_in_flight_even_with_an_inflight_region() {
     use crate::inflight::InflightRegion;
     let (mut rig, release) = hold_rig(16);
     assert_eq!(rig.stop(), 0);
     let poison = Arc::new(AtomicBool::new(false));
     let region = Arc::new(InflightRegion::create(1, QSIZE, &poison).unwrap());
-    let start = |rig: &mut Rig| {
-        let gm = Arc::new(GuestMemory::from_mmap(rig.mem.clone()));
-        let mut ring = DeviceRing::new(&gm, QSIZE, rig.addrs(), true, 0).unwrap();
-        let mut iq = region.queue(0, QSIZE).unwrap();
-        let (resubmit, next) = iq.prepare(ring.next_used());
-        ring.set_next_avail(next);
-        let (_k, kick) = eventfd_pair();
-        let (_c, call) = eventfd_pair();
-        let qs = QueueStart {
-            index: 0,
-            ring,
-            info: RingInfo {
-                desc_table: GuestAddress(rig.desc),
-                size: QSIZE,
-                indirect: true,
-                max_indirect: RingInfo::max_indirect_for(QSIZE, 254),
-            },
-            kick,
-            call: Some(call),
-            err: None,
-            enabled: true,
-            stats: rig.stats.clone(),
-            inflight: Some(iq),
-            resubmit: resubmit.clone(),
-        };
-        Worker::post(&rig.mailbox, Command::Start(Box::new(qs)));
-        rig.worker.step();
-        (resubmit, next)
-    };
-    assert_eq!(start(&mut rig), (vec![], 0), "a fresh region");
+    assert_eq!(start_queue(&mut rig, 0, Some(&region)), (vec![], 0));
+    read_batch(&mut rig, 3);
+    step(&mut rig, 3);
+    assert_eq!(rig.worker.in_flight(), 3);
+    let rx = rig.post(|reply| Command::Stop { queue: 0, reply });
+    step(&mut rig, 20);
+    assert!(
+        rx.try_recv().is_err(),
+        "GET_VRING_BASE answered while the queue's requests were still out"
+    );
+    release.store(100, Ordering::SeqCst);
+    assert_eq!(rig.step_until(&rx), 3);
+    assert_eq!(rig.used_idx(), 3, "published before the answer");
+    assert_eq!(rig.worker.zombies(), 0);
+    check_reads(&rig, 3);
+    let mut iq = region.queue(0, QSIZE).unwrap();
+    assert_eq!(iq.prepare(3), (vec![], 3), "nothing left in flight");
+}
+
+/// A stop that ran out of time (storage holding requests for longer than the drain
+/// timeout) is answered; the next start of the queue on the same inflight region is
+/// fenced: neither the heads to resubmit nor new chains are taken while the old I/O runs;
+/// then each unanswered head is answered exactly once.
+#[test]
+fn inflight_region_resubmits_what_a_timed_out_stop_left_once_the_old_io_ended() {
+    use crate::inflight::InflightRegion;
+    let (mut rig, release) = hold_rig(16);
+    rig.worker.set_drain_timeout(Duration::from_millis(30));
+    assert_eq!(rig.stop(), 0);
+    let poison = Arc::new(AtomicBool::new(false));
+    let region = Arc::new(InflightRegion::create(1, QSIZE, &poison).unwrap());
+    assert_eq!(
+        start_queue(&mut rig, 0, Some(&region)),
+        (vec![], 0),
+        "a fresh region"
+    );
     read_batch(&mut rig, 4); // heads 0, 3, 6, 9
     step(&mut rig, 3);
     assert_eq!(rig.worker.in_flight(), 4);
@@ -485,33 +533,45 @@ fn inflight_region_resubmits_what_a_stopped_queue_left() {
     step(&mut rig, 3);
     assert_eq!(rig.used_idx(), 2);
     assert_eq!((rig.used_elem(0).0, rig.used_elem(1).0), (9, 6));
-    let t0 = std::time::Instant::now();
-    assert_eq!(rig.stop(), 4, "answered at once, all four taken");
-    assert!(t0.elapsed() < Duration::from_secs(5));
+    let rx = rig.post(|reply| Command::Stop { queue: 0, reply });
+    assert_eq!(rig.step_until_timeout(&rx, Duration::from_secs(10)), 4);
     assert_eq!(rig.worker.zombies(), 1, "two requests still out");
     // The next start (the same process, or a new one after a crash).
+    rig.next_avail = 4;
     assert_eq!(
-        start(&mut rig),
+        start_queue(&mut rig, 0, Some(&region)),
         (vec![0, 3], 4),
         "0 and 3, in the order taken"
     );
+    assert!(rig.worker.queue_fenced(0));
+    // A new chain too: it must wait behind the fence as well.
+    rig.write_header(HDR2, req_type::FLUSH, 0);
+    rig.store_desc(QSIZE - 2, d(HDR2, 16, F_NEXT, QSIZE - 1));
+    rig.store_desc(QSIZE - 1, d(STATUS + 15, 1, F_WRITE, 0));
+    rig.set_avail(rig.next_avail, QSIZE - 2);
+    rig.set_avail_idx(rig.next_avail + 1);
     step(&mut rig, 5);
     assert_eq!(
         rig.worker.in_flight(),
         2,
-        "not resubmitted while the old I/O runs"
+        "nothing resubmitted or taken while the old I/O runs"
     );
+    assert_eq!(rig.used_idx(), 2);
     release.store(100, Ordering::SeqCst);
     rig.worker.settle();
+    assert!(!rig.worker.queue_fenced(0));
     assert_eq!(rig.worker.zombies(), 0);
-    assert_eq!(rig.used_idx(), 4, "each answered exactly once");
-    let mut ids: Vec<u32> = (0..4).map(|i| rig.used_elem(i).0).collect();
+    assert_eq!(
+        rig.used_idx(),
+        5,
+        "each answered exactly once, and the flush"
+    );
+    let mut ids: Vec<u32> = (0..5).map(|i| rig.used_elem(i).0).collect();
     ids.sort();
-    assert_eq!(ids, vec![0, 3, 6, 9]);
+    assert_eq!(ids, vec![0, 3, 6, 9, u32::from(QSIZE - 2)]);
     check_reads(&rig, 4);
-    // Nothing is left in flight in the region.
     let mut iq = region.queue(0, QSIZE).unwrap();
-    assert_eq!(iq.prepare(4), (vec![], 4));
+    assert_eq!(iq.prepare(5), (vec![], 5), "nothing left in flight");
 }
 
 /// Prefetching reads what the driver left in the ring before anything is checked: heads

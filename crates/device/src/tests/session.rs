@@ -50,6 +50,7 @@ impl Front {
                 &disk,
                 clone,
                 &crate::stats::Stats::new(2, 1, "test".into()),
+                &Arc::default(),
             )
             .unwrap(),
             ours,

@@ -1,6 +1,6 @@
 //! A worker: one thread, the only owner of a set of started virtqueues and of one storage
 //! engine. Nothing it touches per request is shared with another worker; the control
-//! thread talks to it through a mailbox.
+//! thread talks to it through a mailbox (`mailbox`).
 //!
 //! One pass pops every available chain of every served queue (while the engine has room:
 //! chains left in the ring wait there, nothing is failed for want of room), has `proto`
@@ -12,109 +12,50 @@
 //! worker never sleeps with work queued in its engine (it retries every millisecond) or
 //! with chains it could pop.
 //!
-//! Mailbox commands: start, stop (GET_VRING_BASE: stop popping, wait for the queue's
-//! requests to finish, publish them, answer the next available index), enable, new call,
-//! kick or error fd, new guest memory, exit.
+//! Stopping a ring (GET_VRING_BASE) stops popping and waits, up to the drain timeout, for
+//! the queue's requests; they are published, then the next available index is answered.
+//! Requests still out at the timeout become *old* (the queue is kept as a zombie until the
+//! engine hands them back, and nothing of them is published) and are counted in the
+//! daemon's reset [`Fence`]: a queue started while any are out takes nothing until they
+//! end, on whichever worker it runs.
 
+mod mailbox;
 mod queue;
+mod request;
 
-use std::collections::VecDeque;
-use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::{error, info, warn};
-use proto::wire::{feature, status, ID_BYTES};
-use proto::{Parser, Rejected, Request, RequestKind};
-use storage::{Completion, Engine, Op};
+use proto::wire::{feature, status};
+use proto::{Parser, Rejected, RequestKind};
+use storage::{Completion, Engine, Full, Op};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+pub(crate) use mailbox::{Command, Lost, Mailbox, WorkerHandle};
 pub(crate) use queue::QueueStart;
+#[cfg(test)]
+pub(crate) use queue::SLOT_IOVECS;
 use queue::{token, untoken, Queue, RateLimit, Stopping};
+use request::{complete, keep_or_shrink, to_op, write_id};
 
 use crate::blk::Blk;
+use crate::fence::{fetch_max, Fence};
 use crate::memory::GuestMemory;
 use crate::poll::Poll;
-use crate::stats::bump;
-use crate::stats::WorkerStats;
+use crate::stats::{bump, LifecycleStats, WorkerStats};
+use crate::vring_fd::FdKind;
 
 /// Empty polling passes between two reads of the clock.
 const IDLE_PASSES_PER_CLOCK: u32 = 16;
-/// How long GET_VRING_BASE waits for a queue's requests before it gives up on them.
-pub(crate) const STOP_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often a worker with a fenced queue looks whether the fence has lifted.
+const FENCE_CHECK: Duration = Duration::from_millis(10);
 /// epoll data of the engine's completion fd and of the mailbox.
 const EV_ENGINE: u64 = u64::MAX - 1;
 const EV_MAILBOX: u64 = u64::MAX;
-
-/// What the control thread asks of a worker.
-#[derive(Debug)]
-pub(crate) enum Command {
-    Start(Box<QueueStart>),
-    Stop {
-        queue: usize,
-        reply: SyncSender<u16>,
-    },
-    Enable {
-        queue: usize,
-        enabled: bool,
-    },
-    SetCall {
-        queue: usize,
-        fd: Option<File>,
-    },
-    SetErr {
-        queue: usize,
-        fd: Option<File>,
-    },
-    SetKick {
-        queue: usize,
-        fd: File,
-    },
-    Memory {
-        mem: Arc<GuestMemory>,
-        reply: SyncSender<()>,
-    },
-    Exit,
-}
-
-/// Commands waiting for a worker, and the eventfd that wakes it.
-#[derive(Debug)]
-pub(crate) struct Mailbox {
-    cmds: Mutex<VecDeque<Command>>,
-    pending: AtomicBool,
-    efd: EventFd,
-}
-
-impl Mailbox {
-    fn new() -> io::Result<Mailbox> {
-        Ok(Mailbox {
-            cmds: Mutex::new(VecDeque::new()),
-            pending: AtomicBool::new(false),
-            efd: EventFd::new(EFD_NONBLOCK)?,
-        })
-    }
-
-    fn send(&self, cmd: Command) {
-        self.cmds
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(cmd);
-        self.pending.store(true, Ordering::Release);
-        let _ = self.efd.write(1);
-    }
-
-    fn take(&self) -> VecDeque<Command> {
-        self.pending.store(false, Ordering::Release);
-        let _ = self.efd.read();
-        std::mem::take(&mut *self.cmds.lock().unwrap_or_else(|p| p.into_inner()))
-    }
-}
 
 /// What a worker is made of.
 pub(crate) struct WorkerSetup {
@@ -125,63 +66,72 @@ pub(crate) struct WorkerSetup {
     pub poll_us: u64,
     pub cpu: Option<usize>,
     pub submit_batch: u32,
+    /// How long a ring stop waits for the queue's requests.
+    pub drain_timeout: Duration,
+    /// The daemon's reset fence.
+    pub fence: Arc<Fence>,
     /// Raised by the SIGBUS guard when guest memory was truncated under us.
     pub poison: Arc<AtomicBool>,
-    /// Called (once) when the worker finds the session poisoned: ends the connection.
+    /// Called (once) when the worker must end the session: guest memory truncated under
+    /// it, or a descriptor the frontend wedged.
     pub kill: Box<dyn Fn() + Send>,
     /// This worker's counters.
     pub stats: Arc<WorkerStats>,
-}
-
-/// The control thread's handle on a worker thread.
-pub(crate) struct WorkerHandle {
-    mailbox: Arc<Mailbox>,
-    thread: Option<JoinHandle<()>>,
+    /// The daemon's ring-stop and misbehaviour counters.
+    pub lifecycle: Arc<LifecycleStats>,
 }
 
 impl WorkerHandle {
-    /// Start a worker thread.
-    pub(crate) fn spawn(setup: WorkerSetup) -> io::Result<WorkerHandle> {
+    /// Start a worker thread. Dropping the handle waits up to `join_timeout` for it to end.
+    pub(crate) fn spawn(setup: WorkerSetup, join_timeout: Duration) -> io::Result<WorkerHandle> {
         let mailbox = Arc::new(Mailbox::new()?);
         let worker = Worker::new(setup, mailbox.clone())?;
-        let name = format!("vblk-worker-{}", worker.id);
+        let id = worker.id;
         let thread = std::thread::Builder::new()
-            .name(name)
+            .name(format!("vblk-worker-{id}"))
             .spawn(move || worker.run())?;
         Ok(WorkerHandle {
+            id,
             mailbox,
             thread: Some(thread),
+            join_timeout,
         })
-    }
-
-    pub(crate) fn send(&self, cmd: Command) {
-        self.mailbox.send(cmd);
-    }
-
-    /// Send a command and wait for its answer (None if the worker is gone).
-    pub(crate) fn ask<T>(&self, make: impl FnOnce(SyncSender<T>) -> Command) -> Option<T> {
-        let (tx, rx) = sync_channel(1);
-        self.mailbox.send(make(tx));
-        rx.recv().ok()
     }
 }
 
-impl Drop for WorkerHandle {
-    fn drop(&mut self) {
-        self.mailbox.send(Command::Exit);
-        if let Some(t) = self.thread.take() {
-            if t.join().is_err() {
-                error!("a worker thread panicked");
-            }
-        }
+/// An engine in place of the real one once it is dropped (the worker is ending).
+struct Gone;
+
+impl Engine for Gone {
+    fn name(&self) -> &'static str {
+        "gone"
+    }
+    unsafe fn push(&mut self, _token: u64, _op: Op) -> Result<(), Full> {
+        Err(Full)
+    }
+    fn submit(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+    fn reap(&mut self, _f: &mut dyn FnMut(Completion)) -> usize {
+        0
+    }
+    fn wait(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+    fn notify_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+    fn in_flight(&self) -> usize {
+        0
     }
 }
 
 /// One worker thread's state.
 pub(crate) struct Worker {
-    // Field order matters. The engine goes first: dropping it waits for everything in
-    // flight, whose iovec arrays live in the queues' slots and whose buffers live in
-    // guest memory; then the queues, then the memory views.
+    // Field order matters. The engine goes first (`Drop` drops it explicitly before
+    // anything else): dropping it waits for everything in flight, whose iovec arrays live
+    // in the queues' slots and whose buffers live in guest memory; then the queues, then
+    // the memory views.
     engine: Box<dyn Engine>,
     queues: Vec<Queue>,
     /// Queues stopped while requests were still in flight (GET_VRING_BASE timed out):
@@ -204,14 +154,21 @@ pub(crate) struct Worker {
     pushed: bool,
     in_flight: usize,
     done: Vec<Completion>,
-    next_gen: u16,
+    next_gen: u32,
+    /// Old requests (of zombies) this worker has counted in the fence.
+    fenced_here: usize,
+    fence: Arc<Fence>,
+    /// Slots holding a grown iovec vector, and how many may (queue::BIG_SLOTS).
+    big_slots: usize,
+    big_slots_max: usize,
     poison: Arc<AtomicBool>,
     kill: Option<Box<dyn Fn() + Send>>,
     io_log: RateLimit,
     exit: bool,
     /// How long a GET_VRING_BASE waits for the queue's requests.
-    stop_timeout: Duration,
+    drain_timeout: Duration,
     stats: Arc<WorkerStats>,
+    lifecycle: Arc<LifecycleStats>,
     /// The start of the current pass: one clock read per pass times every request.
     now: Instant,
     /// Work served since the worker last went idle: chains taken from rings plus
@@ -258,12 +215,17 @@ impl Worker {
             in_flight: 0,
             done: Vec::with_capacity(setup.depth),
             next_gen: 0,
+            fenced_here: 0,
+            fence: setup.fence,
+            big_slots: 0,
+            big_slots_max: queue::BIG_SLOTS,
             poison: setup.poison,
             kill: Some(setup.kill),
             io_log: RateLimit::new(),
             exit: false,
-            stop_timeout: STOP_TIMEOUT,
+            drain_timeout: setup.drain_timeout,
             stats: setup.stats,
+            lifecycle: setup.lifecycle,
             now: Instant::now(),
             work: 0,
         })
@@ -289,6 +251,7 @@ impl Worker {
             }
             let progress = self.pass();
             self.finish_stops();
+            self.check_wedged();
             if progress {
                 if polling {
                     let spun = idle_since.map_or(Duration::ZERO, |t| self.now - t);
@@ -415,7 +378,7 @@ impl Worker {
         };
         let open = q.clear_kick();
         if !open || set.contains(EventSet::HANG_UP) || set.contains(EventSet::ERROR) {
-            let fd = q.kick.as_raw_fd();
+            let fd = q.kick.file().as_raw_fd();
             let _ = self
                 .epoll
                 .ctl(ControlOperation::Delete, fd, EpollEvent::default());
@@ -424,10 +387,16 @@ impl Worker {
     }
 
     fn next_deadline(&self) -> Option<Instant> {
-        self.queues
+        let stops = self
+            .queues
             .iter()
-            .filter_map(|q| q.stopping.as_ref().map(|s| s.deadline))
-            .min()
+            .filter_map(|q| q.stopping.as_ref().map(|s| s.deadline));
+        let fenced = self
+            .queues
+            .iter()
+            .any(|q| q.fenced.is_some())
+            .then(|| Instant::now() + FENCE_CHECK);
+        stops.chain(fenced).min()
     }
 
     fn handle_commands(&mut self) {
@@ -435,17 +404,17 @@ impl Worker {
             match cmd {
                 Command::Start(start) => self.start(*start),
                 Command::Stop { queue, reply } => {
+                    let drain = self.drain_timeout;
                     match self.queues.iter_mut().find(|q| q.index == queue) {
                         Some(q) => {
-                            // With inflight tracking the requests still out are recorded
-                            // in the region and resubmitted at the next start: no wait.
-                            let wait = if q.inflight.is_some() {
-                                Duration::ZERO
-                            } else {
-                                self.stop_timeout
-                            };
+                            // Whatever the frontend stops a ring for (a reset, a reboot,
+                            // `stop`, a shutdown, a migration), the requests it sent
+                            // finish first: a write from before must not land after the
+                            // next start's, nor a read fill memory the guest reuses.
+                            let now = Instant::now();
                             q.stopping = Some(Stopping {
-                                deadline: Instant::now() + wait,
+                                deadline: now + drain,
+                                since: now,
                                 reply,
                             })
                         }
@@ -478,6 +447,8 @@ impl Worker {
                     self.set_memory(mem);
                     let _ = reply.send(());
                 }
+                #[cfg(test)]
+                Command::Panic => panic!("worker {}: panic asked for by a test", self.id),
                 Command::Exit => self.exit = true,
             }
         }
@@ -488,22 +459,48 @@ impl Worker {
     }
 
     fn start(&mut self, start: QueueStart) {
-        let gen = self.next_gen;
-        self.next_gen = self.next_gen.wrapping_add(1);
-        let mut q = Queue::new(start, gen);
+        let gen = self.new_gen(start.index);
+        let old = self.fence.old();
+        if let Some(stale) = self.queues.iter().position(|q| q.index == start.index) {
+            // The session starts a queue only once it answered its stop; a queue still
+            // held here was stopped as broken and never asked for: it ends now.
+            let q = self.queues.swap_remove(stale);
+            self.retire(q, "started again");
+        }
+        let mut q = Queue::new(start, gen, old > 0);
+        if old > 0 {
+            info!(
+                "queue {}: started while {old} requests from before a reset are still out; it takes nothing until they end",
+                q.index
+            );
+        }
         if let Err(e) = watch_kick(&self.epoll, &mut q) {
             error!("queue {}: cannot watch its kick fd: {e}", q.index);
         }
         self.queues.push(q);
     }
 
-    fn set_kick(&mut self, index: usize, fd: File) {
+    /// A generation for a new start of queue `index` that no zombie of that index holds:
+    /// a late completion can never be taken for a request of the new start, however many
+    /// starts come and go while it is out.
+    fn new_gen(&mut self, index: usize) -> u32 {
+        loop {
+            let gen = self.next_gen;
+            self.next_gen = self.next_gen.wrapping_add(1);
+            let taken = |q: &Queue| q.index == index && q.gen == gen;
+            if !self.zombies.iter().any(taken) && !self.queues.iter().any(taken) {
+                return gen;
+            }
+        }
+    }
+
+    fn set_kick(&mut self, index: usize, fd: crate::vring_fd::VringFd) {
         let Some(q) = self.queues.iter_mut().find(|q| q.index == index) else {
             return;
         };
         let _ = self.epoll.ctl(
             ControlOperation::Delete,
-            q.kick.as_raw_fd(),
+            q.kick.file().as_raw_fd(),
             EpollEvent::default(),
         );
         q.kick = fd;
@@ -541,9 +538,52 @@ impl Worker {
         }
     }
 
+    /// A call, error or kick descriptor the frontend wedged (a write the watchdog had to
+    /// interrupt): stop its queues and end the session, so the next frontend is served.
+    fn check_wedged(&mut self) {
+        if !self.queues.iter().any(|q| q.wedged) {
+            return;
+        }
+        for q in self.queues.iter_mut().filter(|q| q.wedged) {
+            q.wedged = false;
+            q.call = None;
+            q.err = None;
+            q.stop_broken(format_args!(
+                "the frontend wedged its call or error descriptor (a write to it blocked until the watchdog interrupted it)"
+            ));
+        }
+        if let Some(kill) = self.kill.take() {
+            self.lifecycle.wedged_fds.fetch_add(1, Ordering::Relaxed);
+            error!(
+                "worker {}: ending the session: the frontend wedged a descriptor it handed over",
+                self.id
+            );
+            kill();
+        }
+    }
+
+    /// Let fenced queues go once no request from before a reset is out.
+    fn lift_fences(&mut self) {
+        if !self.queues.iter().any(|q| q.fenced.is_some()) || self.fence.old() > 0 {
+            return;
+        }
+        for q in &mut self.queues {
+            if let Some(since) = q.fenced.take() {
+                let waited = since.elapsed();
+                self.fence.lifted(waited);
+                info!(
+                    "queue {}: the requests from before the reset ended; it waited {:.1} ms for them",
+                    q.index,
+                    waited.as_secs_f64() * 1e3
+                );
+            }
+        }
+    }
+
     /// One pass over every queue. True if anything was popped or completed.
     fn pass(&mut self) -> bool {
         self.now = Instant::now();
+        self.lift_fences();
         let mut progress = false;
         if !self.queues.is_empty() {
             let limits = self.blk.limits();
@@ -582,16 +622,12 @@ impl Worker {
                 return false;
             }
         }
-        // The old I/O of heads to resubmit may still run in a queue stopped without waiting
-        // for it (inflight tracking): resubmit them only once it is done.
-        let old_io = self.zombies.iter().any(|z| z.index == q.index);
         q.ring
             .prefetch(&self.mem, self.depth.saturating_sub(self.in_flight));
         let mem = self.mem.mmap();
         let mut popped = false;
         while self.in_flight < self.depth {
             let (head, resubmitted) = match q.resubmit.front() {
-                Some(_) if old_io => break,
                 Some(&h) => {
                     q.resubmit.pop_front();
                     (h, true)
@@ -700,6 +736,7 @@ impl Worker {
                 } else {
                     bump(&q.stats.completed, 1);
                 }
+                keep_or_shrink(&mut q.slots[h], (&mut self.big_slots, self.big_slots_max));
             }
         }
         popped
@@ -728,6 +765,7 @@ impl Worker {
         }
         self.in_flight -= n;
         self.work += n as u64;
+        let mut old_done = 0;
         for c in self.done.drain(..) {
             let (index, gen, head) = untoken(c.token);
             if let Some(q) = self
@@ -735,13 +773,16 @@ impl Worker {
                 .iter_mut()
                 .find(|q| q.index == index && q.gen == gen)
             {
-                complete(q, head, c.result, &mut self.io_log, true, self.now);
+                let big = (&mut self.big_slots, self.big_slots_max);
+                complete(q, head, c.result, &mut self.io_log, true, self.now, big);
             } else if let Some(q) = self
                 .zombies
                 .iter_mut()
                 .find(|q| q.index == index && q.gen == gen)
             {
-                complete(q, head, c.result, &mut self.io_log, false, self.now);
+                let big = (&mut self.big_slots, self.big_slots_max);
+                complete(q, head, c.result, &mut self.io_log, false, self.now, big);
+                old_done += 1;
             } else {
                 error!(
                     "worker {}: completion for unknown request {:#x}",
@@ -749,7 +790,17 @@ impl Worker {
                 );
             }
         }
-        self.zombies.retain(|q| q.in_flight > 0);
+        if old_done > 0 {
+            self.fenced_here -= old_done;
+            self.fence.release(old_done);
+            let big = &mut self.big_slots;
+            self.zombies.retain(|q| {
+                if q.in_flight == 0 {
+                    *big -= q.slots.iter().filter(|s| s.big).count();
+                }
+                q.in_flight > 0
+            });
+        }
         true
     }
 
@@ -771,32 +822,66 @@ impl Worker {
             let mut q = self.queues.swap_remove(i);
             let _ = self.epoll.ctl(
                 ControlOperation::Delete,
-                q.kick.as_raw_fd(),
+                q.kick.file().as_raw_fd(),
                 EpollEvent::default(),
             );
             q.publish();
             let next = q.ring.next_avail();
+            let waited = q.stopping.as_ref().map(|s| now - s.since);
             if let Some(stop) = q.stopping.take() {
                 let _ = stop.reply.send(next);
             }
-            if q.in_flight > 0 && q.inflight.is_some() {
-                info!(
-                    "queue {}: stopped at available index {next} with {} requests in flight; the inflight region keeps them for the next start",
-                    q.index, q.in_flight
-                );
-                q.ring_ok = false;
-                self.zombies.push(q);
-            } else if q.in_flight > 0 {
+            let l = &self.lifecycle;
+            l.stops.fetch_add(1, Ordering::Relaxed);
+            if let Some(waited) = waited.filter(|w| !w.is_zero()) {
+                l.drains.fetch_add(1, Ordering::Relaxed);
+                fetch_max(&l.drain_wait_ns_max, nanos(waited));
+            }
+            if q.in_flight > 0 {
+                l.drains_timed_out.fetch_add(1, Ordering::Relaxed);
                 error!(
-                    "queue {}: {} requests still in flight after {:?}; the ring is stopped at available index {next} and their completions will be dropped",
-                    q.index, q.in_flight, self.stop_timeout
+                    "queue {}: {} requests still in flight after {:?}; the ring is stopped at available index {next}; they are fenced: no request taken after this stop runs until they end, and nothing of them is published{}",
+                    q.index,
+                    q.in_flight,
+                    self.drain_timeout,
+                    if q.inflight.is_some() {
+                        " (the inflight region keeps them for a restart on the same region)"
+                    } else {
+                        ""
+                    }
                 );
-                q.ring_ok = false;
-                self.zombies.push(q);
+            } else if let Some(w) = waited.filter(|w| *w >= Duration::from_millis(1)) {
+                info!(
+                    "queue {}: stopped at available index {next} after waiting {:.1} ms for its requests",
+                    q.index,
+                    w.as_secs_f64() * 1e3
+                );
             } else {
                 info!("queue {}: stopped at available index {next}", q.index);
             }
+            self.retire(q, "stopped");
         }
+    }
+
+    /// Let go of a queue the frontend no longer runs. Requests still out make it a zombie:
+    /// kept (their iovecs live in its slots) until the engine hands them back, counted in
+    /// the fence, never published.
+    fn retire(&mut self, mut q: Queue, why: &str) {
+        if q.in_flight == 0 {
+            self.big_slots -= q.slots.iter().filter(|s| s.big).count();
+            return;
+        }
+        if why != "stopped" {
+            warn!(
+                "queue {}: {why} with {} requests in flight; they are fenced",
+                q.index, q.in_flight
+            );
+        }
+        q.ring_ok = false;
+        q.used.clear();
+        self.fenced_here += q.in_flight;
+        self.fence.hold(q.in_flight);
+        self.zombies.push(q);
     }
 
     /// Re-enable kicks before sleeping. True if chains arrived meanwhile that can be
@@ -815,18 +900,34 @@ impl Worker {
     }
 }
 
+impl Drop for Worker {
+    /// The worker ends (Exit, or a panic unwinding): the engine is dropped first, which
+    /// waits for everything in flight (their buffers are guest memory and their iovecs
+    /// live in the slots). While it waits, those requests count in the fence, so that a
+    /// worker whose thread is left to end on its own (a join that ran out of time) cannot
+    /// have them land after a later session's requests.
+    fn drop(&mut self) {
+        let live = self.in_flight - self.fenced_here;
+        self.fence.hold(live);
+        let engine = std::mem::replace(&mut self.engine, Box::new(Gone));
+        drop(engine);
+        self.fence.release(live + self.fenced_here);
+        self.fenced_here = 0;
+    }
+}
+
 /// Watch a queue's kick fd in `epoll`: an eventfd edge-triggered (never read: every kick
 /// queues one event, and a wake-up costs one syscall less), anything else level-triggered
 /// (read on every event). Hang-ups and errors are reported either way.
 fn watch_kick(epoll: &Epoll, q: &mut Queue) -> io::Result<()> {
-    q.kick_edge = queue::is_eventfd(&q.kick);
+    q.kick_edge = q.kick.kind() == FdKind::Eventfd;
     let mut set = EventSet::IN;
     if q.kick_edge {
         set |= EventSet::EDGE_TRIGGERED;
     }
     epoll.ctl(
         ControlOperation::Add,
-        q.kick.as_raw_fd(),
+        q.kick.file().as_raw_fd(),
         EpollEvent::new(set, q.index as u64),
     )
 }
@@ -858,95 +959,6 @@ fn submit(engine: &mut dyn Engine, log: &mut RateLimit) {
     }
 }
 
-/// Finish request `head` of `q` with the engine's `result`; `publish`: write the status
-/// and queue the used element (false for a queue the frontend has already stopped).
-fn complete(
-    q: &mut Queue,
-    head: u16,
-    result: io::Result<u64>,
-    log: &mut RateLimit,
-    publish: bool,
-    now: Instant,
-) {
-    let Some(slot) = q.slots.get_mut(usize::from(head)) else {
-        return;
-    };
-    if !slot.busy {
-        error!(
-            "queue {}: completion for head {head}, which is not in flight",
-            q.index
-        );
-        return;
-    }
-    slot.busy = false;
-    q.in_flight -= 1;
-    let (st, used_len) = match &result {
-        Ok(_) => (status::OK, slot.req.used_len_ok()),
-        Err(e) => {
-            bump(&q.stats.failed, 1);
-            if log.allow() {
-                warn!(
-                    "queue {}: {:?} of {} bytes at sector {} failed: {e}",
-                    q.index, slot.req.kind, slot.req.len, slot.req.sector
-                );
-            }
-            (status::IOERR, 1)
-        }
-    };
-    if !publish {
-        return;
-    }
-    // SAFETY: status_ptr is a checked byte of guest memory, kept mapped by the worker's
-    // memory view or its retired views while the request was in flight.
-    unsafe { slot.req.status_ptr.write_volatile(st) };
-    q.used.push((head, used_len));
-    q.count_completed(head, now);
-}
-
-fn to_op(req: &Request, durable: bool) -> Op {
-    let iov = req.iov.as_ptr();
-    let iovcnt = req.iov.len() as u32;
-    match req.kind {
-        RequestKind::In => Op::Read {
-            offset: req.offset(),
-            iov,
-            iovcnt,
-        },
-        RequestKind::Out => Op::Write {
-            offset: req.offset(),
-            iov,
-            iovcnt,
-            durable,
-        },
-        RequestKind::Flush | RequestKind::GetId => Op::Flush,
-        RequestKind::Discard => Op::Discard {
-            offset: req.offset(),
-            len: req.len,
-            durable,
-        },
-        RequestKind::WriteZeroes { unmap } => Op::WriteZeroes {
-            offset: req.offset(),
-            len: req.len,
-            unmap,
-            durable,
-        },
-    }
-}
-
-/// Copy the ID into the request's payload buffers (`req.len` bytes, at most 20).
-fn write_id(req: &Request, serial: &[u8; ID_BYTES]) {
-    let mut src = &serial[..req.len as usize];
-    for v in &req.iov {
-        let n = v.iov_len.min(src.len());
-        for (i, b) in src[..n].iter().enumerate() {
-            // SAFETY: the iovec was translated by the parser from a device-writable guest
-            // buffer of at least `iov_len` bytes that the worker's memory view keeps mapped.
-            unsafe { v.iov_base.cast::<u8>().add(i).write_volatile(*b) };
-        }
-        src = &src[n..];
-    }
-}
-
 /// Whether the acked features include indirect descriptors.
 pub(crate) fn indirect_acked(blk: &Blk) -> bool {
     blk.acked(feature::RING_INDIRECT_DESC)
@@ -961,6 +973,7 @@ impl Worker {
         }
         let p = self.pass();
         self.finish_stops();
+        self.check_wedged();
         p
     }
 
@@ -984,6 +997,21 @@ impl Worker {
         (Worker::new(setup, mailbox.clone()).unwrap(), mailbox)
     }
 
+    /// Run a test-driven worker on a thread of its own, as `WorkerHandle::spawn` does.
+    pub(crate) fn into_thread(self, mailbox: Arc<Mailbox>, join_timeout: Duration) -> WorkerHandle {
+        let id = self.id;
+        let thread = std::thread::Builder::new()
+            .name(format!("vblk-worker-{id}"))
+            .spawn(move || self.run())
+            .unwrap();
+        WorkerHandle {
+            id,
+            mailbox,
+            thread: Some(thread),
+            join_timeout,
+        }
+    }
+
     /// Queue a command for a test-driven worker.
     pub(crate) fn post(mailbox: &Mailbox, cmd: Command) {
         mailbox.send(cmd);
@@ -995,8 +1023,49 @@ impl Worker {
     }
 
     /// Shorten GET_VRING_BASE's wait.
-    pub(crate) fn set_stop_timeout(&mut self, d: Duration) {
-        self.stop_timeout = d;
+    pub(crate) fn set_drain_timeout(&mut self, d: Duration) {
+        self.drain_timeout = d;
+    }
+
+    /// Whether queue `index` is held and fenced.
+    pub(crate) fn queue_fenced(&self, index: usize) -> bool {
+        self.queues
+            .iter()
+            .any(|q| q.index == index && q.fenced.is_some())
+    }
+
+    /// Keep at most `n` grown iovec vectors.
+    pub(crate) fn set_big_slots_max(&mut self, n: usize) {
+        self.big_slots_max = n;
+    }
+
+    /// The next generation a start would try.
+    pub(crate) fn set_next_gen(&mut self, gen: u32) {
+        self.next_gen = gen;
+    }
+
+    /// The generations of the running queue `index` and of its zombies.
+    pub(crate) fn gens(&self, index: usize) -> (Option<u32>, Vec<u32>) {
+        let live = self.queues.iter().find(|q| q.index == index).map(|q| q.gen);
+        let old = self
+            .zombies
+            .iter()
+            .filter(|q| q.index == index)
+            .map(|q| q.gen)
+            .collect();
+        (live, old)
+    }
+
+    /// Slots holding a grown iovec vector, and the iovecs all slots hold.
+    pub(crate) fn iovec_memory(&self) -> (usize, usize) {
+        let held = self
+            .queues
+            .iter()
+            .chain(&self.zombies)
+            .flat_map(|q| &q.slots)
+            .map(|s| s.req.iov.capacity())
+            .sum();
+        (self.big_slots, held)
     }
 
     /// Requests in flight (held by queues and zombies).

@@ -8,10 +8,11 @@
 //! the frontend is told through the vring's error eventfd (SET_VRING_ERR), and the
 //! available index is left pointing at that chain, so GET_VRING_BASE reports exactly the
 //! chains that were answered. Other queues go on.
+//!
+//! Completion tokens name the queue, its start (a 32-bit generation that no other start of
+//! the same queue index still holds while its requests are out) and the head, so a
+//! completion can never be taken for another start's request.
 
-use std::fs::File;
-use std::io;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
@@ -23,11 +24,23 @@ use proto::{Request, RingInfo};
 use crate::inflight::InflightQueue;
 use crate::ring::DeviceRing;
 use crate::stats::{Kind, QueueStats};
+use crate::vring_fd::{Signalled, VringFd};
+
+/// Payload iovecs a slot keeps room for whatever its requests needed. Requests with more
+/// segments grow the slot's vector; a worker keeps at most [`BIG_SLOTS`] grown vectors and
+/// shrinks the others back when their request completes, so a guest sending
+/// maximum-size requests on every head of every queue cannot make the daemon hold
+/// `queues x entries x seg_max` iovecs.
+pub(crate) const SLOT_IOVECS: usize = 8;
+/// Grown iovec vectors a worker keeps (about 8 KiB each at seg_max 254).
+pub(crate) const BIG_SLOTS: usize = 256;
 
 /// The state of one descriptor head.
 #[derive(Debug)]
 pub(crate) struct Slot {
     pub busy: bool,
+    /// Its iovec vector grew past [`SLOT_IOVECS`] and counts in the worker's budget.
+    pub big: bool,
     pub req: Request,
     /// When the request was taken (the start of that worker pass).
     pub taken: Instant,
@@ -37,6 +50,8 @@ pub(crate) struct Slot {
 #[derive(Debug)]
 pub(crate) struct Stopping {
     pub deadline: Instant,
+    /// When the stop was asked for.
+    pub since: Instant,
     pub reply: SyncSender<u16>,
 }
 
@@ -46,9 +61,9 @@ pub(crate) struct QueueStart {
     pub index: usize,
     pub ring: DeviceRing,
     pub info: RingInfo,
-    pub kick: File,
-    pub call: Option<File>,
-    pub err: Option<File>,
+    pub kick: VringFd,
+    pub call: Option<VringFd>,
+    pub err: Option<VringFd>,
     pub enabled: bool,
     pub stats: Arc<QueueStats>,
     /// The queue's part of the inflight region, when the frontend set one up.
@@ -63,7 +78,7 @@ pub(crate) struct Queue {
     /// Global queue index (what the driver calls it).
     pub index: usize,
     /// Distinguishes this start of the queue from earlier ones in completion tokens.
-    pub gen: u16,
+    pub gen: u32,
     pub ring: DeviceRing,
     /// The ring can be read and written (false once a memory table left it outside).
     pub ring_ok: bool,
@@ -72,13 +87,18 @@ pub(crate) struct Queue {
     pub in_flight: usize,
     /// Completions not yet published.
     pub used: Vec<(u16, u32)>,
-    pub kick: File,
+    pub kick: VringFd,
     /// The kick fd is an eventfd watched edge-triggered: a kick is seen without reading
     /// it (one syscall less per wake-up). Pipes are watched level-triggered and read.
     pub kick_edge: bool,
-    pub call: Option<File>,
-    pub err: Option<File>,
+    pub call: Option<VringFd>,
+    pub err: Option<VringFd>,
     pub enabled: bool,
+    /// Started while requests from before a reset were out (fence.rs): nothing is taken
+    /// until they end. When it started.
+    pub fenced: Option<Instant>,
+    /// The frontend wedged one of its descriptors: the session must end.
+    pub wedged: bool,
     /// Stopped as broken: nothing more is popped until the frontend restarts the queue.
     pub broken: bool,
     /// Kicks are disabled (we are polling this queue).
@@ -96,7 +116,7 @@ pub(crate) struct Queue {
 const BAD_REQUEST_LOG_LIMIT: u64 = 20;
 
 impl Queue {
-    pub(crate) fn new(start: QueueStart, gen: u16) -> Queue {
+    pub(crate) fn new(start: QueueStart, gen: u32, fenced: bool) -> Queue {
         let size = usize::from(start.ring.size());
         Queue {
             index: start.index,
@@ -108,7 +128,8 @@ impl Queue {
             slots: (0..size)
                 .map(|_| Slot {
                     busy: false,
-                    req: Request::with_capacity(4),
+                    big: false,
+                    req: Request::with_capacity(SLOT_IOVECS),
                     taken: Instant::now(),
                 })
                 .collect(),
@@ -119,6 +140,8 @@ impl Queue {
             call: start.call,
             err: start.err,
             enabled: start.enabled,
+            fenced: fenced.then(Instant::now),
+            wedged: false,
             broken: false,
             quiet: false,
             stopping: None,
@@ -131,7 +154,11 @@ impl Queue {
 
     /// Whether chains should be popped now.
     pub(crate) fn serving(&self) -> bool {
-        self.enabled && !self.broken && self.ring_ok && self.stopping.is_none()
+        self.enabled
+            && !self.broken
+            && self.ring_ok
+            && self.stopping.is_none()
+            && self.fenced.is_none()
     }
 
     /// Stop serving the queue until the frontend restarts it; tell the frontend through
@@ -148,7 +175,9 @@ impl Queue {
             self.in_flight
         );
         if let Some(err) = &self.err {
-            signal_eventfd(err);
+            if err.signal() == Signalled::Wedged {
+                self.wedged = true;
+            }
         }
     }
 
@@ -187,57 +216,32 @@ impl Queue {
         self.used.clear();
         if notify {
             if let Some(call) = &self.call {
-                signal_eventfd(call);
+                if call.signal() == Signalled::Wedged {
+                    self.wedged = true;
+                }
             }
         }
     }
 
-    /// Read a level-triggered kick fd (non-blocking) so that the poll sleeps again.
+    /// Read a level-triggered kick fd (it never blocks) so that the poll sleeps again.
     /// False when the fd is at end of file (a pipe whose writer went away).
     pub(crate) fn clear_kick(&self) -> bool {
-        self.kick_edge || clear_fd(&self.kick)
+        self.kick_edge || self.kick.drain()
     }
 }
 
-/// Whether `f` is an eventfd. An eventfd's counter saturates instead of filling up (the
-/// kernel's eventfd_signal caps it; a userspace writer would need 2^64 kicks), so it can
-/// be watched edge-triggered and never read. A pipe, which some frontends pass, fills up
-/// and must be read.
-pub(crate) fn is_eventfd(f: &File) -> bool {
-    std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd()))
-        .is_ok_and(|l| l.as_os_str() == "anon_inode:[eventfd]")
-}
-
-/// Tell the peer behind an eventfd (or pipe) something happened. Never blocks: the fd is
-/// non-blocking, and a full counter or pipe already means "something happened".
-pub(crate) fn signal_eventfd(f: &File) {
-    let one = 1u64.to_ne_bytes();
-    // SAFETY: writes 8 bytes from a local array to a descriptor we own.
-    let r = unsafe { libc::write(f.as_raw_fd(), one.as_ptr().cast(), one.len()) };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::WouldBlock && e.kind() != io::ErrorKind::Interrupted {
-            warn!("cannot signal the frontend's eventfd: {e}");
-        }
-    }
-}
-
-/// Read (and discard) what is waiting on a non-blocking fd. False at end of file.
-pub(crate) fn clear_fd(f: &File) -> bool {
-    let mut buf = [0u8; 64];
-    // SAFETY: reads at most 64 bytes into a local buffer from a descriptor we own.
-    let r = unsafe { libc::read(f.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-    r != 0
-}
-
-/// Completion tokens carry the queue, its generation and the head.
-pub(crate) fn token(index: usize, gen: u16, head: u16) -> u64 {
-    ((index as u64) << 32) | (u64::from(gen) << 16) | u64::from(head)
+/// Completion tokens carry the generation, the queue and the head.
+pub(crate) fn token(index: usize, gen: u32, head: u16) -> u64 {
+    (u64::from(gen) << 32) | ((index as u64 & 0xffff) << 16) | u64::from(head)
 }
 
 /// The (queue index, generation, head) of a token.
-pub(crate) fn untoken(token: u64) -> (usize, u16, u16) {
-    ((token >> 32) as usize, (token >> 16) as u16, token as u16)
+pub(crate) fn untoken(token: u64) -> (usize, u32, u16) {
+    (
+        ((token >> 16) & 0xffff) as usize,
+        (token >> 32) as u32,
+        token as u16,
+    )
 }
 
 /// A log that lets a few lines through per interval and counts the rest.
@@ -320,26 +324,14 @@ mod tests {
 
     #[test]
     fn tokens_round_trip() {
-        assert_eq!(untoken(token(1023, 7, 65535)), (1023, 7, 65535));
+        assert_eq!(untoken(token(255, 7, 65535)), (255, 7, 65535));
         assert_eq!(untoken(token(0, 0, 0)), (0, 0, 0));
-    }
-
-    /// Eventfds are watched edge-triggered and never read; pipes (which fill up) and
-    /// anything else are read.
-    #[test]
-    fn only_eventfds_go_unread() {
-        use std::os::fd::FromRawFd;
-        let efd = vmm_sys_util::eventfd::EventFd::new(0).unwrap();
-        // SAFETY: a dup of a live eventfd, owned by the File from here on.
-        let f = unsafe { File::from_raw_fd(libc::dup(efd.as_raw_fd())) };
-        assert!(is_eventfd(&f));
-        let mut fds = [0; 2];
-        // SAFETY: pipe writes two fds into a live local array.
-        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-        // SAFETY: both ends were just created and are owned by these Files.
-        let (r, _w) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
-        assert!(!is_eventfd(&r));
-        assert!(!is_eventfd(&tempfile::tempfile().unwrap()));
+        assert_eq!(
+            untoken(token(65535, u32::MAX, 1)),
+            (65535, u32::MAX, 1),
+            "every bit of the generation survives"
+        );
+        assert_ne!(token(3, 1, 9), token(3, 1 + (1 << 16), 9));
     }
 
     #[test]

@@ -1,0 +1,168 @@
+//! How the control thread talks to a worker: commands in a mailbox (a locked queue the
+//! control thread fills and the worker empties, plus an eventfd that wakes it), answers on
+//! a one-shot channel, each awaited with a deadline.
+//!
+//! A worker that does not answer in time, or whose thread has ended (a panic), is
+//! reported as [`Lost`]: the session then ends and the daemon serves the next frontend. A
+//! worker thread is joined with a deadline too; one that does not end in time is left to
+//! end on its own (its requests stay counted in the device's [`Fence`](super::Fence), so
+//! nothing of it can land after a later session's requests).
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use log::error;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::queue::QueueStart;
+use crate::memory::GuestMemory;
+use crate::vring_fd::VringFd;
+
+/// What the control thread asks of a worker.
+#[derive(Debug)]
+pub(crate) enum Command {
+    Start(Box<QueueStart>),
+    /// GET_VRING_BASE: stop popping, wait (up to the drain timeout) for the queue's
+    /// requests, publish them, answer the next available index.
+    Stop {
+        queue: usize,
+        reply: SyncSender<u16>,
+    },
+    Enable {
+        queue: usize,
+        enabled: bool,
+    },
+    SetCall {
+        queue: usize,
+        fd: Option<VringFd>,
+    },
+    SetErr {
+        queue: usize,
+        fd: Option<VringFd>,
+    },
+    SetKick {
+        queue: usize,
+        fd: VringFd,
+    },
+    Memory {
+        mem: Arc<GuestMemory>,
+        reply: SyncSender<()>,
+    },
+    /// Tests: panic on the worker thread.
+    #[cfg(test)]
+    Panic,
+    Exit,
+}
+
+/// Commands waiting for a worker, and the eventfd that wakes it.
+#[derive(Debug)]
+pub(crate) struct Mailbox {
+    cmds: Mutex<VecDeque<Command>>,
+    pub(super) pending: AtomicBool,
+    pub(super) efd: EventFd,
+}
+
+impl Mailbox {
+    pub(super) fn new() -> io::Result<Mailbox> {
+        Ok(Mailbox {
+            cmds: Mutex::new(VecDeque::new()),
+            pending: AtomicBool::new(false),
+            efd: EventFd::new(EFD_NONBLOCK)?,
+        })
+    }
+
+    pub(super) fn send(&self, cmd: Command) {
+        self.cmds
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(cmd);
+        self.pending.store(true, Ordering::Release);
+        let _ = self.efd.write(1);
+    }
+
+    pub(super) fn take(&self) -> VecDeque<Command> {
+        self.pending.store(false, Ordering::Release);
+        let _ = self.efd.read();
+        std::mem::take(&mut *self.cmds.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// A worker that did not answer.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Lost {
+    /// Its thread ended without answering: it panicked (logged where it happened).
+    #[error("worker {0} is gone (its thread panicked)")]
+    Gone(usize),
+    /// No answer within the deadline.
+    #[error("worker {worker} did not answer within {waited:?}")]
+    Late {
+        /// The worker.
+        worker: usize,
+        /// How long it was waited for.
+        waited: Duration,
+    },
+}
+
+/// The control thread's handle on a worker thread.
+pub(crate) struct WorkerHandle {
+    pub(super) id: usize,
+    pub(super) mailbox: Arc<Mailbox>,
+    pub(super) thread: Option<JoinHandle<()>>,
+    /// How long dropping the handle waits for the thread to end.
+    pub(super) join_timeout: Duration,
+}
+
+impl WorkerHandle {
+    pub(crate) fn send(&self, cmd: Command) {
+        self.mailbox.send(cmd);
+    }
+
+    /// Send a command and wait up to `deadline` for its answer.
+    pub(crate) fn ask<T>(
+        &self,
+        deadline: Duration,
+        make: impl FnOnce(SyncSender<T>) -> Command,
+    ) -> Result<T, Lost> {
+        let (tx, rx) = sync_channel(1);
+        self.mailbox.send(make(tx));
+        match rx.recv_timeout(deadline) {
+            Ok(v) => Ok(v),
+            Err(RecvTimeoutError::Disconnected) => Err(Lost::Gone(self.id)),
+            Err(RecvTimeoutError::Timeout) => Err(Lost::Late {
+                worker: self.id,
+                waited: deadline,
+            }),
+        }
+    }
+
+    /// Whether the worker thread has ended (normally only after Exit; else it panicked).
+    pub(crate) fn ended(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        self.mailbox.send(Command::Exit);
+        let Some(t) = self.thread.take() else { return };
+        let deadline = Instant::now() + self.join_timeout;
+        while !t.is_finished() {
+            if Instant::now() >= deadline {
+                error!(
+                    "worker {}: its thread did not end within {:?} (requests still at the disk); it is left to end on its own, and its requests keep later ones fenced",
+                    self.id, self.join_timeout
+                );
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if t.join().is_err() {
+            error!("worker {}: its thread panicked", self.id);
+        }
+    }
+}
