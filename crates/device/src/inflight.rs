@@ -117,6 +117,12 @@ impl InflightRegion {
         if !mmap_offset.is_multiple_of(4096) {
             return Err(format!("mmap offset {mmap_offset:#x} is not page aligned"));
         }
+        let (fs, _) = sigbus::file_pages(file.as_raw_fd()).map_err(|e| e.to_string())?;
+        if ![sigbus::TMPFS_MAGIC, sigbus::RAMFS_MAGIC, sigbus::HUGETLBFS_MAGIC].contains(&fs) {
+            return Err(format!(
+                "its file is on a file system of type {fs:#x}, not a memfd, tmpfs or hugetlbfs (accesses to a file elsewhere can stall the device)"
+            ));
+        }
         let file_len = file.metadata().map_err(|e| e.to_string())?.len();
         if mmap_offset
             .checked_add(mmap_size)
@@ -161,7 +167,7 @@ impl InflightRegion {
             len,
             num_queues,
             queue_size,
-            _guard: sigbus::register(base, len, poison),
+            _guard: sigbus::register(base, len, sigbus::system_page(), poison),
             file,
         })
     }

@@ -3,7 +3,9 @@
 //! ([`GuestMemory`]) that workers hold while requests point into it.
 //!
 //! A region is refused, with the numbers, when it is empty or overflows; when its file is
-//! not a regular file, memfd, hugetlbfs file or character device (DAX); when it reaches past
+//! not a memfd or a file on tmpfs, hugetlbfs or ramfs, or a character device (DAX) — a file
+//! on another file system can stall every access to it (a FUSE server the frontend runs,
+//! an NFS mount), and the workers touch guest memory directly; when it reaches past
 //! the end of its file (`fstat`: mapping it would let any access there kill the daemon with
 //! SIGBUS); when its offset is not page aligned; when it overlaps another region in guest
 //! physical or frontend virtual addresses; or when there are more than
@@ -42,6 +44,8 @@ pub(crate) enum MemError {
     },
     #[error("region at guest address {gpa:#x}: its fd is a {kind}, not a memory file")]
     NotMemory { gpa: u64, kind: &'static str },
+    #[error("region at guest address {gpa:#x}: its file is on a file system of type {fs_type:#x}, not tmpfs, hugetlbfs or ramfs; guest memory must be a memfd (QEMU's memory-backend-memfd) or a file in /dev/shm or on hugetlbfs, since accesses to a file elsewhere can stall the device")]
+    NotMemoryFs { gpa: u64, fs_type: i64 },
     #[error("region at guest address {gpa:#x}: offset {offset:#x} + size {size:#x} reaches past the end of its file ({file_size:#x} bytes)")]
     PastEnd {
         gpa: u64,
@@ -282,8 +286,17 @@ fn map_region(d: RegionDesc, file: File, poison: &Arc<AtomicBool>) -> Result<Reg
             source: std::io::Error::last_os_error(),
         });
     }
+    let (fs_type, page) = sigbus::file_pages(file.as_raw_fd()).map_err(|source| MemError::Stat {
+        gpa: d.gpa,
+        source,
+    })?;
     match st.st_mode & libc::S_IFMT {
         libc::S_IFREG => {
+            if ![sigbus::TMPFS_MAGIC, sigbus::HUGETLBFS_MAGIC, sigbus::RAMFS_MAGIC]
+                .contains(&fs_type)
+            {
+                return Err(MemError::NotMemoryFs { gpa: d.gpa, fs_type });
+            }
             let file_size = u64::try_from(st.st_size).unwrap_or(0);
             if d.mmap_offset + d.size > file_size {
                 return Err(MemError::PastEnd {
@@ -321,7 +334,7 @@ fn map_region(d: RegionDesc, file: File, poison: &Arc<AtomicBool>) -> Result<Reg
         .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
         .build()
         .map_err(map_err)?;
-    let guard = sigbus::register(mapping.as_ptr(), mapping.size(), poison);
+    let guard = sigbus::register(mapping.as_ptr(), mapping.size(), page, poison);
     let region = GuestRegionMmap::new(mapping, GuestAddress(d.gpa)).ok_or(MemError::BadSize {
         gpa: d.gpa,
         size: d.size,
@@ -387,6 +400,16 @@ mod tests {
         let (r, _w) = std::io::pipe().unwrap();
         let pipe: File = std::os::fd::OwnedFd::from(r).into();
         assert!(err(vec![(desc(0, 4096, 0, 0), pipe)]).contains("pipe"));
+        // A file on a disk file system (here ext4 or whatever holds the target dir): its
+        // pages can stall (FUSE, NFS), so it is not taken for guest memory.
+        let target = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/tmp");
+        std::fs::create_dir_all(target).unwrap();
+        let disk_file = tempfile::tempfile_in(target).unwrap();
+        disk_file.set_len(4096).unwrap();
+        let (fs, _) = sigbus::file_pages(disk_file.as_raw_fd()).unwrap();
+        assert_ne!(fs, sigbus::TMPFS_MAGIC, "the target dir is on tmpfs: cannot test");
+        let e = err(vec![(desc(0, 4096, 0, 0), disk_file)]);
+        assert!(e.contains("not tmpfs, hugetlbfs or ramfs"), "{e}");
 
         let two = ok
             .with_region(desc(1 << 30, 4096, 0x9000_0000, 0), memfd(4096), &p)

@@ -324,13 +324,34 @@ impl BackendChannel {
     /// (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG). No answer is asked for, as libvhost-user
     /// does: QEMU reads the new configuration (GET_CONFIG, on the main socket) before it
     /// would answer, and the daemon must be free to serve that read.
+    ///
+    /// The socket is the frontend's too (it passed it), so it may have changed its
+    /// timeouts or flags: the message goes with MSG_DONTWAIT, whole or not at all. A
+    /// frontend that does not read its channel loses the channel.
     pub(crate) fn config_changed(&mut self) -> io::Result<()> {
         let mut buf = [0u8; HEADER_LEN];
         buf[0..4].copy_from_slice(&BACKEND_CONFIG_CHANGE_MSG.to_le_bytes());
         buf[4..8].copy_from_slice(&VERSION.to_le_bytes());
-        self.sock
-            .set_write_timeout(Some(std::time::Duration::from_secs(1)))?;
-        self.sock.write_all(&buf)
+        // SAFETY: sends a live local buffer of its length; never blocks (MSG_DONTWAIT).
+        let n = unsafe {
+            libc::send(
+                self.sock.as_raw_fd(),
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n as usize != buf.len() {
+            let _ = self.sock.shutdown(std::net::Shutdown::Both);
+            return Err(io::Error::other(format!(
+                "the frontend's backend channel took {n} of {} bytes; channel closed",
+                buf.len()
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -413,5 +434,23 @@ mod tests {
         a.write_all(&[1, 0, 0]).unwrap();
         drop(a);
         assert!(matches!(read_message(&mut b), Err(WireError::Disconnected)));
+    }
+
+    /// The frontend keeps a copy of the backend channel's socket, makes it blocking and
+    /// lets it fill up: telling it about a config change returns at once with an error.
+    #[test]
+    fn a_full_backend_channel_never_blocks() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let frontend_copy = ours.try_clone().unwrap();
+        frontend_copy.set_nonblocking(true).unwrap();
+        let chunk = [0u8; 4096];
+        while (&frontend_copy).write(&chunk).is_ok() {}
+        frontend_copy.set_nonblocking(false).unwrap();
+        frontend_copy.set_write_timeout(None).unwrap();
+        let mut ch = BackendChannel::new(ours);
+        let t0 = std::time::Instant::now();
+        assert!(ch.config_changed().is_err());
+        assert!(t0.elapsed() < std::time::Duration::from_secs(1));
+        drop(theirs);
     }
 }

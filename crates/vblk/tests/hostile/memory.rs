@@ -213,6 +213,18 @@ pub fn classes() -> Vec<Class> {
             },
         },
         Class {
+            name: "mem_table_fd_on_a_disk_file_system",
+            expect: Refused,
+            what: "one region whose fd is a 1 MiB file on a disk file system (not tmpfs)",
+            run: |cx| {
+                let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+                std::fs::create_dir_all(dir).unwrap();
+                let f = tempfile::tempfile_in(dir).unwrap();
+                f.set_len(MIB as u64).unwrap();
+                bad_table(cx, 1, &[reg(GPA, MIB as u64, 0)], &[f.as_raw_fd()])
+            },
+        },
+        Class {
             name: "mem_table_fd_is_a_socket",
             expect: Refused,
             what: "one region whose fd is a Unix socket",

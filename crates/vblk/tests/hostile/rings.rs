@@ -1,7 +1,7 @@
 //! Classes about started rings: hostile ring content, notification fds that block or
 //! never stop, and frontends that leave or reset with requests in flight.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -88,6 +88,31 @@ impl Drop for KeepFull {
             let _ = t.join();
         }
     }
+}
+
+/// The frontend makes the call fd it shares with the device blocking after the device
+/// took it (the flag lives in the shared open file description), and fills it; then
+/// writes and a kick. The device must not block on it: it ends the session or answers,
+/// in time either way.
+fn call_made_blocking(cx: &mut Ctx, call: OwnedFd, fill: impl FnOnce(RawFd)) -> Result<(), String> {
+    let setup = Setup {
+        call: Some(call),
+        ..Setup::default()
+    };
+    let mut r = Running::start(cx, setup)?;
+    fill(r.call_fd());
+    rr::set_nonblock(r.call_fd(), false);
+    writes(&mut r);
+    kick_and_stop(&mut r)
+}
+
+/// A thread that reads a pipe with blocking reads until it is closed (EOF).
+fn drain_forever(rd: OwnedFd) {
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        // SAFETY: reads into a live local buffer from a pipe end this thread owns.
+        while unsafe { libc::read(rd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
+    });
 }
 
 pub fn classes() -> Vec<Class> {
@@ -207,6 +232,89 @@ pub fn classes() -> Vec<Class> {
                 cx.keep.push(Box::new(w));
                 r.c.close();
                 Ok(())
+            },
+        },
+        Class {
+            name: "call_eventfd_made_blocking_after_setup",
+            expect: Survives,
+            what: "the call eventfd is made blocking and saturated after the device took it",
+            run: |cx| {
+                call_made_blocking(cx, rr::eventfd(0, true), |fd| {
+                    let _ = rr::write_u64(fd, u64::MAX - 1);
+                })
+            },
+        },
+        Class {
+            name: "call_pipe_made_blocking_after_setup",
+            expect: Survives,
+            what: "the call pipe is filled and made blocking after the device took it",
+            run: |cx| {
+                let (r, w) = rr::pipe();
+                cx.keep.push(Box::new(r));
+                call_made_blocking(cx, w, rr::fill_pipe)
+            },
+        },
+        Class {
+            name: "call_socket_full",
+            expect: Survives,
+            what: "the call fd is one end of a socket pair nobody reads, filled",
+            run: |cx| {
+                let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+                cx.keep.push(Box::new(b));
+                call_made_blocking(cx, OwnedFd::from(a), |fd| {
+                    rr::set_nonblock(fd, true);
+                    while rr::write_u64(fd, 1).is_ok() {}
+                })
+            },
+        },
+        Class {
+            name: "err_eventfd_made_blocking_after_setup",
+            expect: Survives,
+            what: "SET_VRING_ERR with an eventfd made blocking and saturated, then a head out of range",
+            run: |cx| {
+                let mut r = Running::start(cx, Setup::default())?;
+                let err = rr::eventfd(0, true);
+                any(
+                    &mut r.c,
+                    "SET_VRING_ERR",
+                    req::SET_VRING_ERR,
+                    &crate::support::raw_frontend::u64p(0),
+                    &[err.as_raw_fd()],
+                )?;
+                let _ = rr::write_u64(err.as_raw_fd(), u64::MAX - 1);
+                rr::set_nonblock(err.as_raw_fd(), false);
+                r.ring.push(&r.g, 300);
+                let out = kick_and_stop(&mut r);
+                cx.keep.push(Box::new(err));
+                out
+            },
+        },
+        Class {
+            name: "kick_pipe_made_blocking_and_drained",
+            expect: Survives,
+            what: "the kick pipe is made blocking after setup and drained by the frontend as the device reads it",
+            run: |cx| {
+                let (rd, w) = rr::pipe();
+                let via = w.try_clone().unwrap();
+                let setup = Setup {
+                    kick: Some((rd, via)),
+                    ..Setup::default()
+                };
+                let mut r = Running::start(cx, setup)?;
+                let ours = r.kick_fd();
+                rr::set_nonblock(ours, false);
+                // SAFETY: dup of the read end the device shares; the thread owns the copy.
+                let dup = unsafe { libc::dup(ours) };
+                assert!(dup >= 0);
+                // SAFETY: `dup` was just made and nothing else owns it.
+                drain_forever(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(dup) });
+                for _ in 0..50 {
+                    let _ = rr::write_u64(w.as_raw_fd(), 1);
+                }
+                writes(&mut r);
+                let out = kick_and_stop(&mut r);
+                drop(w);
+                out
             },
         },
         Class {

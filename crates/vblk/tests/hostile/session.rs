@@ -133,6 +133,16 @@ impl Running {
         Ok(Some(r))
     }
 
+    /// The kick fd the device was given (the same open file description as its copy).
+    pub fn kick_fd(&self) -> RawFd {
+        self._fds[0].as_raw_fd()
+    }
+
+    /// The call fd the device was given (the same open file description as its copy).
+    pub fn call_fd(&self) -> RawFd {
+        self._fds[1].as_raw_fd()
+    }
+
     /// Close this side's kick fd (a pipe's write end: the device's end then reads EOF).
     pub fn close_kick(&mut self) {
         self.kick_via = rr::eventfd(0, true);
@@ -185,6 +195,44 @@ fn not_offered(offered: u64, candidates: &[u32]) -> Result<u64, String> {
         .ok_or_else(|| format!("every candidate bit {candidates:?} is offered ({offered:#x})"))
 }
 
+/// Half a message, then silence with the connection open: the device must not wait for
+/// the rest for ever (it closes the connection).
+fn half_then_silence(cx: &Ctx) -> Result<(), String> {
+    let mut c = cx.ready()?;
+    c.send_bytes(&header(req::GET_FEATURES, VERSION, 0)[..6], &[])
+        .map_err(|e| format!("sending half a header: {e}"))?;
+    c.wait_closed(Duration::from_secs(15))
+}
+
+/// Requests that ask for replies, never read: once the socket is full both ways the
+/// device cannot send; it must give up on the connection rather than wait for ever.
+fn replies_never_read(cx: &Ctx) -> Result<(), String> {
+    let mut c = cx.ready()?;
+    let msg = header(req::GET_FEATURES, VERSION, 0);
+    // Send while the device takes requests: its replies pile up on our side until it
+    // can send no more and stops reading; then ours pile up too (the socket is full
+    // both ways once sends have failed for half a second).
+    let t0 = std::time::Instant::now();
+    let mut full_since = None;
+    loop {
+        if c.send_nowait(&msg) {
+            full_since = None;
+        } else {
+            let since = *full_since.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() > Duration::from_millis(500) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            return Err("the device took requests for 20 s while its replies went unread".into());
+        }
+    }
+    // Give it longer than it may wait for a reply to go out, then look.
+    std::thread::sleep(Duration::from_secs(7));
+    c.wait_closed(Duration::from_secs(20))
+}
+
 /// Send `bytes` raw, then close without waiting for anything.
 fn send_and_close(cx: &Ctx, bytes: &[u8]) -> Result<(), String> {
     let mut c = cx.ready()?;
@@ -202,6 +250,18 @@ const BOTH: u64 = VERSION_1 | rf::F_PROTOCOL_FEATURES;
 pub fn classes() -> Vec<Class> {
     use Expect::*;
     vec![
+        Class {
+            name: "half_a_header_then_silence",
+            expect: Refused,
+            what: "6 bytes of a header, then nothing, the connection left open",
+            run: |cx| half_then_silence(cx),
+        },
+        Class {
+            name: "replies_never_read",
+            expect: Refused,
+            what: "GET_FEATURES until the socket is full both ways, no reply ever read",
+            run: |cx| replies_never_read(cx),
+        },
         Class {
             name: "unknown_request_9999",
             expect: Refused,

@@ -197,6 +197,8 @@ pub struct Guest {
     layers: Vec<PathBuf>,
     logs: Vec<(String, PathBuf)>,
     watched: Vec<(String, u32)>,
+    /// A guest reset reboots (QEMU without `-no-reboot`).
+    reboot: bool,
 }
 
 /// Has process `pid` exited (gone, or a zombie not yet reaped)?
@@ -255,6 +257,7 @@ impl Guest {
             layers: Vec::new(),
             logs: Vec::new(),
             watched: Vec::new(),
+            reboot: false,
         }
     }
 
@@ -367,6 +370,13 @@ impl Guest {
         self
     }
 
+    /// A reset (`echo b > /proc/sysrq-trigger`, a triple fault) reboots the guest, which
+    /// runs its script again; by default QEMU exits instead (`-no-reboot`).
+    pub fn allow_reboot(mut self) -> Guest {
+        self.reboot = true;
+        self
+    }
+
     /// Stops the boot early (instead of waiting for the timeout) if process
     /// `pid` (e.g. a backend daemon) exits while the guest runs.
     pub fn watch(mut self, label: &str, pid: u32) -> Guest {
@@ -432,13 +442,10 @@ impl Guest {
         let mut cmd = Command::new(find_program("timeout").expect("checked"));
         cmd.args(["--kill-after=10", &format!("{secs}")]);
         cmd.arg(find_program("qemu-system-x86_64").expect("checked"));
-        cmd.args([
-            "-nodefaults",
-            "-no-user-config",
-            "-display",
-            "none",
-            "-no-reboot",
-        ]);
+        cmd.args(["-nodefaults", "-no-user-config", "-display", "none"]);
+        if !self.reboot {
+            cmd.arg("-no-reboot");
+        }
         cmd.args([
             "-machine",
             "q35",

@@ -9,7 +9,7 @@
 
 use std::fmt;
 use std::io::{self, Read, Write};
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -237,6 +237,49 @@ impl Conn {
     /// Send a well-framed message.
     pub fn send(&mut self, req: u32, flags: u32, payload: &[u8], fds: &[RawFd]) -> io::Result<()> {
         self.send_sized(req, flags, payload.len() as u32, payload, fds)
+    }
+
+    /// Read and drop whatever the device sends until it closes the connection; an error
+    /// if it has not within `within`.
+    pub fn wait_closed(&mut self, within: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + within;
+        let mut buf = [0u8; 4096];
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "the device kept the connection open for more than {within:?}"
+                ));
+            }
+            self.sock
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .unwrap();
+            match self.sock.read(&mut buf) {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
+                Err(e) if is_closed(&e) => return Ok(()),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => return Err(format!("reading: {e}")),
+            }
+        }
+    }
+
+    /// Send without waiting: false once the socket's buffer is full.
+    pub fn send_nowait(&mut self, bytes: &[u8]) -> bool {
+        // SAFETY: sends a live buffer of its length; MSG_DONTWAIT never blocks.
+        let n = unsafe {
+            libc::send(
+                self.sock.as_raw_fd(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        n == bytes.len() as isize
     }
 
     /// Shut both directions down (the daemon sees the frontend leave).
