@@ -2,9 +2,9 @@
 //!
 //! `push` turns an operation into a slot (its pieces become requests) on a connection's
 //! send queue; `submit` sends what the sockets take; `reap` reads replies, matches their
-//! cookies to slots (replies come in any order), and hands out finished operations.
-//! Nothing is allocated per operation: slots, queues and scratch vectors are sized at
-//! creation.
+//! cookies to slots (replies come in any order; each piece is taken once, see `slots`),
+//! and hands out finished operations. Nothing is allocated per operation: slots, queues
+//! and scratch vectors are sized at creation.
 //!
 //! The notify fd is an epoll set of the engine's own: the sockets (readable: replies;
 //! writable, while a send is unfinished), and a timerfd that ticks while anything waits
@@ -248,14 +248,16 @@ impl NbdEngine {
                 s.iov = iov;
                 s.iovcnt = iovcnt;
                 s.result = total;
-                s.cut(total, u64::from(ex.max_payload));
+                if !s.cut(total, u64::from(ex.max_payload)) {
+                    return Some(Err(errno(libc::EINVAL)));
+                }
             }
             Op::Flush => {
                 if ex.read_only || !ex.has(FLAG_SEND_FLUSH) {
                     return Some(Ok(0));
                 }
                 s.cmd = CMD_FLUSH;
-                s.cut(0, 1);
+                s.single();
                 self.dirty = false;
             }
             Op::Discard { offset, len, .. } | Op::WriteZeroes { offset, len, .. } => {
@@ -273,17 +275,17 @@ impl NbdEngine {
                     op,
                     Op::Discard { durable: true, .. } | Op::WriteZeroes { durable: true, .. }
                 );
-                match op {
+                let cut = match op {
                     _ if len == 0 => return Some(Ok(0)),
                     Op::Discard { .. } if !ex.has(FLAG_SEND_TRIM) => return Some(Ok(0)),
                     Op::Discard { .. } => {
                         s.cmd = CMD_TRIM;
-                        s.cut(len, BIG_CHUNK);
+                        s.cut(len, BIG_CHUNK)
                     }
                     Op::WriteZeroes { unmap, .. } if ex.has(FLAG_SEND_WRITE_ZEROES) => {
                         s.cmd = CMD_WRITE_ZEROES;
                         s.flags = if unmap { 0 } else { CMD_FLAG_NO_HOLE };
-                        s.cut(len, BIG_CHUNK);
+                        s.cut(len, BIG_CHUNK)
                     }
                     _ => {
                         // Write zeroes from a shared buffer (iov null).
@@ -292,8 +294,12 @@ impl NbdEngine {
                             self.zero = vec![0u8; chunk as usize];
                         }
                         s.cmd = CMD_WRITE;
-                        s.cut(len, u64::from(chunk));
+                        s.cut(len, u64::from(chunk))
                     }
+                };
+                if !cut {
+                    // Over 2^32 requests (2 TiB of zeroes in 512-byte writes): refused.
+                    return Some(Err(errno(libc::EINVAL)));
                 }
                 // Write-through: the server makes the change durable before it answers
                 // (FUA applies to TRIM and WRITE_ZEROES as to WRITE), or a FLUSH follows.
@@ -313,6 +319,8 @@ impl NbdEngine {
         let c = self.rr % self.conns.len();
         self.rr = self.rr.wrapping_add(1);
         s.conn = c as u16;
+        // A new use of the slot: no cookie of an earlier one matches it.
+        s.gen = self.slots[idx as usize].gen.wrapping_add(1);
         self.slots[idx as usize] = s;
         self.conns[c].sendq.push_back(idx);
         None
@@ -347,7 +355,7 @@ impl NbdEngine {
             // A FLUSH carries offset 0 and length 0 (strict servers refuse anything else).
             s.offset = 0;
             s.iov = std::ptr::null();
-            s.cut(0, 1);
+            s.single();
             let c = usize::from(s.conn);
             self.conns[c].sendq.push_back(si);
             return;

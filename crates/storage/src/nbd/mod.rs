@@ -6,7 +6,7 @@
 //! | `uri` | [`NbdSpec`]: `nbd://HOST[:PORT]/EXPORT` and `nbd+unix:///EXPORT?socket=PATH` |
 //! | `wire` | magics, flags, commands, the request header and the simple reply |
 //! | `handshake` | connecting, and the fixed newstyle handshake (`NBD_OPT_GO`, falling back to `NBD_OPT_EXPORT_NAME`), blocking with a time limit |
-//! | `slots` | one operation in flight: its pieces (requests of at most the server's largest payload) and their geometry over the caller's iovecs |
+//! | `slots` | one operation in flight: its pieces (requests of at most the server's largest payload), their geometry over the caller's iovecs, and exact reply accounting (cookies with a use counter, each piece answered once) |
 //! | `conn` | one connection in transmission: the send queue (`sendmsg` gathering headers and write payloads straight from the iovecs), the receive state machine (`readv` scattering read payloads straight into the iovecs), timeouts |
 //! | `sys` | the engine's epoll set, timerfd and non-blocking sockets |
 //! | `engine` | the [`Engine`](crate::Engine): slots, cookies, connections, reconnect and replay, the notify fd |
