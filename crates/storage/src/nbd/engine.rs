@@ -28,9 +28,8 @@ use std::time::{Duration, Instant};
 use log::{error, info, warn};
 
 use super::conn::{disconnect, Conn, HDRS_MAX, IOV_MAX};
-use super::handshake;
 use super::slots::Slot;
-use super::sys::{epoll_ctl, os_err, set_nonblocking, settime};
+use super::sys::{epoll_ctl, os_err, settime};
 use super::wire::*;
 use super::Export;
 use crate::engine::{
@@ -166,24 +165,13 @@ impl NbdEngine {
         Ok(engine)
     }
 
-    /// Opens connection `c` and watches it.
+    /// Opens connection `c` (within the timeout) and watches it.
     fn connect(&mut self, c: usize) -> Result<(), super::NbdError> {
-        let limit = self.ex.opts.timeout.min(Duration::from_secs(5));
-        let (fd, info) = handshake::connect(&self.ex.spec, limit)?;
-        if info.size != self.ex.info.size {
-            return Err(super::NbdError::Protocol(format!(
-                "the export's size is now {} bytes, it was {}",
-                info.size, self.ex.info.size
-            )));
-        }
-        if info.has(FLAG_READ_ONLY) && !self.ex.read_only {
-            return Err(super::NbdError::ReadOnly);
-        }
+        let fd = self.ex.connect()?;
         let io = |source| super::NbdError::Io {
             during: "setting up the connection",
             source,
         };
-        set_nonblocking(&fd).map_err(io)?;
         epoll_ctl(
             &self.epoll,
             libc::EPOLL_CTL_ADD,

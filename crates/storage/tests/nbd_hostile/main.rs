@@ -1,9 +1,10 @@
 //! The NBD client against a hostile server (`server.rs`: scripted, in this test): a reply
 //! repeated, a reply for a finished operation, for an earlier use of a slot (with a read
-//! payload that must land nowhere), for a request sent before a replay. A protocol
-//! violation must break the connection and complete nothing: the operation is replayed
-//! and completes by its genuine reply. A test whose engine waits forever fails by
-//! `within`'s limit instead of hanging.
+//! payload that must land nowhere), for a request sent before a replay; a server that
+//! trickles its handshake a byte a second. A protocol violation must break the connection
+//! and complete nothing (the operation is replayed and completes by its genuine reply),
+//! and every wait must end by its deadline. Deadlines are asserted with wide margins; a
+//! test whose engine waits forever fails by `within`'s limit instead of hanging.
 
 mod server;
 
@@ -392,4 +393,31 @@ fn a_large_operation_has_at_most_64_requests_awaiting_replies() {
     assert_eq!(r.unwrap(), data.len() as u64);
     assert!(s.bytes(0, data.len()) == data, "the disk differs");
     assert_eq!(most.load(Ordering::Acquire), 64);
+}
+
+/// A server that sends every byte of its handshake a second after the last.
+fn trickler(s: &mut Session) {
+    s.trickle(secs(1.0));
+    let _ = s.handshake();
+}
+
+#[test]
+fn a_server_trickling_its_handshake_is_given_up_on_at_open() {
+    for s in [Server::unix(EX, trickler), Server::tcp(EX, trickler)] {
+        let uri = s.uri().to_owned();
+        let (err, took) = within(secs(30.0), "opening the disk", move || {
+            let t = Instant::now();
+            let r = open_uri(&uri, &opts(2.0, 2.0));
+            (r.err(), t.elapsed())
+        });
+        let err = err.expect("the disk opened");
+        assert!(
+            err.starts_with(s.uri()) && err.contains("greeting did not finish within 2 s"),
+            "{err}"
+        );
+        assert!(
+            took >= secs(1.5) && took < secs(15.0),
+            "gave up after {took:?}"
+        );
+    }
 }

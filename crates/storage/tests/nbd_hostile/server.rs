@@ -6,6 +6,7 @@
 //! then answers, forges, repeats or withholds replies as it likes.
 
 use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
@@ -47,6 +48,8 @@ pub struct Session {
     fd: RawFd,
     disk: Arc<Mutex<Vec<u8>>>,
     export: Export,
+    /// Bytes written one at a time, this far apart.
+    trickle: Option<Duration>,
 }
 
 trait Stream: Read + Write + Send {}
@@ -63,8 +66,22 @@ pub struct Req {
 }
 
 impl Session {
+    /// From now on, every byte is sent alone, `every` after the last.
+    pub fn trickle(&mut self, every: Duration) {
+        self.trickle = Some(every);
+    }
+
     fn send(&mut self, b: &[u8]) -> io::Result<()> {
-        self.stream.write_all(b)
+        match self.trickle {
+            None => self.stream.write_all(b),
+            Some(every) => {
+                for byte in b {
+                    self.stream.write_all(std::slice::from_ref(byte))?;
+                    std::thread::sleep(every);
+                }
+                Ok(())
+            }
+        }
     }
 
     fn read_n<const N: usize>(&mut self) -> io::Result<[u8; N]> {
@@ -212,11 +229,16 @@ type Script = dyn Fn(&mut Session) + Send + Sync;
 pub struct Server {
     uri: String,
     /// The socket's directory, removed on drop.
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
     stop: Arc<AtomicBool>,
     accepted: Arc<AtomicUsize>,
     pub disk: Arc<Mutex<Vec<u8>>>,
     thread: Option<JoinHandle<()>>,
+}
+
+enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
 }
 
 impl Server {
@@ -226,13 +248,21 @@ impl Server {
         let path: PathBuf = dir.path().join("nbd.sock");
         let l = UnixListener::bind(&path).unwrap();
         let uri = format!("nbd+unix:///?socket={}", path.display());
-        Server::start(l, uri, dir, export, Arc::new(script))
+        Server::start(Listener::Unix(l), uri, Some(dir), export, Arc::new(script))
+    }
+
+    /// A server on TCP, 127.0.0.1 and a free port, named `localhost` in its URI (so the
+    /// client looks the name up).
+    pub fn tcp(export: Export, script: impl Fn(&mut Session) + Send + Sync + 'static) -> Server {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let uri = format!("nbd://localhost:{}/", l.local_addr().unwrap().port());
+        Server::start(Listener::Tcp(l), uri, None, export, Arc::new(script))
     }
 
     fn start(
-        l: UnixListener,
+        l: Listener,
         uri: String,
-        dir: tempfile::TempDir,
+        dir: Option<tempfile::TempDir>,
         export: Export,
         script: Arc<Script>,
     ) -> Server {
@@ -240,17 +270,28 @@ impl Server {
         let accepted = Arc::new(AtomicUsize::new(0));
         let disk = Arc::new(Mutex::new(vec![0u8; export.size]));
         let (st, acc, dk) = (stop.clone(), accepted.clone(), disk.clone());
-        l.set_nonblocking(true).unwrap();
+        match &l {
+            Listener::Unix(l) => l.set_nonblocking(true).unwrap(),
+            Listener::Tcp(l) => l.set_nonblocking(true).unwrap(),
+        }
         let thread = std::thread::spawn(move || {
             while !st.load(Ordering::Acquire) {
                 // A session thread gives up on a client silent for a minute.
                 let idle = Some(Duration::from_secs(60));
-                let stream: io::Result<(Box<dyn Stream>, RawFd)> = l.accept().and_then(|(s, _)| {
-                    s.set_nonblocking(false)?;
-                    s.set_read_timeout(idle)?;
-                    let fd = s.as_raw_fd();
-                    Ok((Box::new(s) as Box<dyn Stream>, fd))
-                });
+                let stream: io::Result<(Box<dyn Stream>, RawFd)> = match &l {
+                    Listener::Unix(l) => l.accept().and_then(|(s, _)| {
+                        s.set_nonblocking(false)?;
+                        s.set_read_timeout(idle)?;
+                        let fd = s.as_raw_fd();
+                        Ok((Box::new(s) as Box<dyn Stream>, fd))
+                    }),
+                    Listener::Tcp(l) => l.accept().and_then(|(s, _): (TcpStream, _)| {
+                        s.set_nonblocking(false)?;
+                        s.set_read_timeout(idle)?;
+                        let fd = s.as_raw_fd();
+                        Ok((Box::new(s) as Box<dyn Stream>, fd))
+                    }),
+                };
                 match stream {
                     Ok((stream, fd)) => {
                         let n = acc.fetch_add(1, Ordering::AcqRel);
@@ -260,6 +301,7 @@ impl Server {
                             fd,
                             disk: dk.clone(),
                             export,
+                            trickle: None,
                         };
                         let script = script.clone();
                         std::thread::spawn(move || script(&mut s));
