@@ -9,7 +9,9 @@
 //! | `slots` | one operation in flight: its pieces (requests of at most the server's largest payload), their geometry over the caller's iovecs, and exact reply accounting (cookies with a use counter, each piece answered once) |
 //! | `conn` | one connection in transmission: the send queue (`sendmsg` gathering headers and write payloads straight from the iovecs), the receive state machine (`readv` scattering read payloads straight into the iovecs), timeouts |
 //! | `sys` | the engine's epoll set, timerfd and non-blocking sockets |
-//! | `engine` | the [`Engine`](crate::Engine): slots, cookies, connections, reconnect and replay, the notify fd |
+//! | `dial` | reconnection attempts on a helper thread, handing back a ready socket |
+//! | `reconnect` | a connection's life: breaks, held operations, reconnection, and when to give up |
+//! | `engine` | the [`Engine`](crate::Engine): operations into slots, completions, the notify fd |
 //!
 //! [`Backend::open`](crate::Backend::open) connects once to learn the export (size, flags,
 //! block sizes) and hangs up; each engine then opens its own connection (several when the
@@ -17,8 +19,10 @@
 //! shared between device workers.
 
 mod conn;
+mod dial;
 mod engine;
 mod handshake;
+mod reconnect;
 mod slots;
 mod sys;
 mod uri;
@@ -39,7 +43,10 @@ use crate::spec::SECTOR_SIZE;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NbdOptions {
     /// After a connection breaks, how long to keep reconnecting (and holding the
-    /// operations in flight, to replay them) before failing them with `EIO`.
+    /// operations in flight, to replay them) before failing them with `EIO`. It is
+    /// counted from the first break since an operation last completed, so a server that
+    /// accepts connections and breaks the protocol again and again does not restart it;
+    /// and no operation is held longer than this after the first break that caught it.
     pub reconnect: Duration,
     /// A request with no reply (and no byte received) for this long means the connection
     /// is dead. It is also the limit of one connection attempt as a whole (name lookup,

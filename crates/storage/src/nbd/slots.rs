@@ -20,6 +20,8 @@
 //! A reply is accepted only for a piece of the slot's current use with
 //! `base <= piece < next` and its bit clear; anything else is a protocol violation.
 
+use std::time::Instant;
+
 use super::wire::{request, CMD_READ, CMD_WRITE, REQUEST_LEN};
 
 /// Pieces of one operation sent and not answered, at most (the bits of `Slot::acked`).
@@ -97,6 +99,9 @@ pub(crate) struct Slot {
     pub result: u64,
     /// The connection it is sent on.
     pub conn: u16,
+    /// When a broken connection first caught the operation (it is replayed until then
+    /// plus the reconnect window).
+    pub held: Option<Instant>,
 }
 
 impl Slot {
@@ -120,6 +125,7 @@ impl Slot {
         then_flush: false,
         result: 0,
         conn: 0,
+        held: None,
     };
 
     /// Sets up the pieces for `len` bytes in chunks of `chunk`; `false` when that takes

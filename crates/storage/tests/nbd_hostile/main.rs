@@ -1,10 +1,12 @@
 //! The NBD client against a hostile server (`server.rs`: scripted, in this test): a reply
 //! repeated, a reply for a finished operation, for an earlier use of a slot (with a read
 //! payload that must land nowhere), for a request sent before a replay; a server that
-//! trickles its handshake a byte a second. A protocol violation must break the connection
-//! and complete nothing (the operation is replayed and completes by its genuine reply),
-//! and every wait must end by its deadline. Deadlines are asserted with wide margins; a
-//! test whose engine waits forever fails by `within`'s limit instead of hanging.
+//! breaks the protocol on every connection, or whenever one request comes; one that
+//! trickles its handshake a byte a second, at open and on reconnection. A protocol
+//! violation must break the connection and complete nothing (the operation is replayed and
+//! completes by its genuine reply), and every wait must end by its deadline. Deadlines are
+//! asserted with wide margins; a test whose engine waits forever fails by `within`'s limit
+//! instead of hanging.
 
 mod server;
 
@@ -395,6 +397,162 @@ fn a_large_operation_has_at_most_64_requests_awaiting_replies() {
     assert_eq!(most.load(Ordering::Acquire), 64);
 }
 
+#[test]
+fn a_server_that_always_breaks_the_protocol_fails_operations_in_bounded_time() {
+    let s = Server::unix(EX, |s| {
+        if !greet(s) {
+            return;
+        }
+        // Every request answered with the cookie of a piece never sent.
+        while let Ok(Some(r)) = s.request() {
+            if s.reply(r.cookie ^ (1 << 40), 0, &[]).is_err() {
+                return;
+            }
+        }
+    });
+    let b = open_uri(s.uri(), &opts(2.0, 2.0)).unwrap();
+    let (first, took, second, took2, dropped) =
+        within(secs(40.0), "failing the writes", move || {
+            let mut e = engine(&b, 4);
+            let t = Instant::now();
+            let first = write(&mut *e, 0, &[1; BLOCK]);
+            let took = t.elapsed();
+            let t = Instant::now();
+            let second = write(&mut *e, 0, &[2; BLOCK]);
+            let took2 = t.elapsed();
+            let t = Instant::now();
+            drop(e);
+            (first, took, second, took2, t.elapsed())
+        });
+    assert_eq!(first.unwrap_err().raw_os_error(), Some(libc::EIO));
+    assert!(
+        took >= secs(1.5) && took < secs(20.0),
+        "failed after {took:?}"
+    );
+    // The connection is failed: the next write fails at its first break, or at once.
+    assert_eq!(second.unwrap_err().raw_os_error(), Some(libc::EIO));
+    assert!(took2 < secs(5.0), "the second write failed after {took2:?}");
+    assert!(dropped < secs(5.0), "drop took {dropped:?}");
+    assert!(s.bytes(0, BLOCK).iter().all(|&x| x == 0));
+    // Attempts back off (10 ms doubling) across breaks: no storm of connections.
+    assert!(s.connections() < 40, "{} connections", s.connections());
+}
+
+#[test]
+fn an_operation_the_server_always_breaks_on_fails_though_others_complete() {
+    let s = Server::unix(EX, |s| {
+        if !greet(s) {
+            return;
+        }
+        // Everything is answered but the read of block 0: once one was asked for, the
+        // connection is dropped after the next answer.
+        let mut seen = false;
+        while let Ok(Some(r)) = s.request() {
+            if r.offset == 0 && r.cmd == 0 {
+                seen = true;
+                continue;
+            }
+            if s.answer(&r).is_err() || seen {
+                return;
+            }
+        }
+    });
+    let b = open_uri(s.uri(), &opts(2.0, 2.0)).unwrap();
+    let (result, took, writes) = within(secs(40.0), "the read", move || {
+        let mut e = engine(&b, 4);
+        let mut rbuf = vec![UNTOUCHED; BLOCK];
+        let rv = iov(&mut rbuf);
+        let mut wbuf = vec![9u8; BLOCK];
+        let wv = iov(&mut wbuf);
+        let start = Instant::now();
+        // SAFETY: the buffers and iovecs live until both operations are reaped below.
+        unsafe {
+            e.push(
+                1,
+                Op::Read {
+                    offset: 0,
+                    iov: &rv,
+                    iovcnt: 1,
+                },
+            )
+        }
+        .unwrap();
+        // Writes keep completing (progress) while the read is replayed.
+        let (mut read, mut writing, mut writes) = (None, false, 0);
+        while read.is_none() || writing {
+            if !writing && read.is_none() {
+                // SAFETY: as above; one write at a time.
+                unsafe {
+                    e.push(
+                        2,
+                        Op::Write {
+                            offset: BLOCK as u64,
+                            iov: &wv,
+                            iovcnt: 1,
+                            durable: false,
+                        },
+                    )
+                }
+                .unwrap();
+                writing = true;
+            }
+            e.submit().unwrap();
+            e.wait().unwrap();
+            e.reap(&mut |c| match c.token {
+                1 => read = Some(c.result),
+                _ => {
+                    writing = false;
+                    writes += usize::from(c.result.is_ok());
+                }
+            });
+        }
+        (read.unwrap(), start.elapsed(), writes)
+    });
+    assert_eq!(result.unwrap_err().raw_os_error(), Some(libc::EIO));
+    assert!(
+        took >= secs(1.5) && took < secs(20.0),
+        "failed after {took:?}"
+    );
+    assert!(writes > 1, "only {writes} writes completed meanwhile");
+}
+
+#[test]
+fn a_break_long_after_an_idle_one_is_replayed() {
+    let s = Server::unix(EX, |s| {
+        if !greet(s) {
+            return;
+        }
+        match s.n {
+            // The engine's first connection is closed at once, while it is idle.
+            1 => {}
+            // The second takes a request and hangs up.
+            2 => {
+                let _ = s.request();
+            }
+            _ => s.honest(),
+        }
+    });
+    let b = open_uri(s.uri(), &opts(5.0, 1.0)).unwrap();
+    let data = pattern(BLOCK, 6);
+    let d = data.clone();
+    let r = within(secs(30.0), "the write", move || {
+        let mut e = engine(&b, 4);
+        // Idle, longer than the reconnect window: the engine finds the first connection
+        // closed and makes another.
+        let start = Instant::now();
+        while start.elapsed() < secs(2.0) {
+            e.reap(&mut |c| panic!("completed: {:?}", c.result));
+            std::thread::sleep(secs(0.02));
+        }
+        write(&mut *e, 0, &d)
+    });
+    // That old break with nothing held is no trouble: the write is replayed.
+    let n = r.unwrap_or_else(|e| panic!("the write was not replayed: {e}"));
+    assert_eq!(n, BLOCK as u64);
+    assert!(s.bytes(0, BLOCK) == data);
+    assert!(s.connections() >= 4, "{} connections", s.connections());
+}
+
 /// A server that sends every byte of its handshake a second after the last.
 fn trickler(s: &mut Session) {
     s.trickle(secs(1.0));
@@ -420,4 +578,62 @@ fn a_server_trickling_its_handshake_is_given_up_on_at_open() {
             "gave up after {took:?}"
         );
     }
+}
+
+#[test]
+fn a_server_trickling_its_handshake_on_reconnection_does_not_stall_the_worker() {
+    let s = Server::unix(EX, |s| {
+        if s.n >= 2 {
+            return trickler(s);
+        }
+        if !greet(s) {
+            return;
+        }
+        if s.n == 0 {
+            return s.honest();
+        }
+        // The engine's first connection: hang up on the first request.
+        let _ = s.request();
+    });
+    let b = open_uri(s.uri(), &opts(3.0, 3.0)).unwrap();
+    let (result, took, longest) = within(secs(60.0), "the write", move || {
+        let mut e = engine(&b, 4);
+        let mut buf = vec![7u8; BLOCK];
+        let v = iov(&mut buf);
+        // SAFETY: `buf` and `v` live until the write is reaped below.
+        unsafe {
+            e.push(
+                1,
+                Op::Write {
+                    offset: 0,
+                    iov: &v,
+                    iovcnt: 1,
+                    durable: false,
+                },
+            )
+        }
+        .unwrap();
+        e.submit().unwrap();
+        let start = Instant::now();
+        let (mut result, mut longest) = (None, Duration::ZERO);
+        while result.is_none() {
+            let t = Instant::now();
+            e.reap(&mut |c| result = Some(c.result));
+            e.submit().unwrap();
+            longest = longest.max(t.elapsed());
+            std::thread::sleep(secs(0.02));
+        }
+        (result.unwrap(), start.elapsed(), longest)
+    });
+    assert_eq!(result.unwrap_err().raw_os_error(), Some(libc::EIO));
+    assert!(
+        took >= secs(2.5) && took < secs(20.0),
+        "failed after {took:?}"
+    );
+    // A reconnection handshake on the worker would hold reap or submit for the whole
+    // 3 s attempt.
+    assert!(
+        longest < secs(1.5),
+        "reap or submit blocked for {longest:?} while the engine reconnected"
+    );
 }
