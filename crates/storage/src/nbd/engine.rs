@@ -12,11 +12,18 @@
 //! A worker sleeping on it wakes for replies, for a socket that drains, for a new
 //! connection, and for the ticks that detect a silent server and pace reconnection — it
 //! never spins, and never blocks on a server (see `reconnect` for breaks and replays).
+//!
+//! Dropping the engine waits for the operations in flight (their buffers are lent to it)
+//! for at most [`NbdOptions::timeout`](super::NbdOptions), then sends a FLUSH if anything
+//! was written since the last one, within the same deadline. What is still in flight then
+//! is abandoned and logged: the sockets are closed, and since only the engine reads them
+//! (a reconnection thread never sees an operation), no reply can reach a caller buffer
+//! after `drop` returns.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use log::error;
 
@@ -454,22 +461,7 @@ impl Engine for NbdEngine {
     }
 
     fn wait(&mut self) -> io::Result<()> {
-        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 8];
-        loop {
-            self.submit()?;
-            self.progress();
-            if !self.done.is_empty() || self.in_flight == 0 {
-                return Ok(());
-            }
-            // SAFETY: `events` is a live array of 8 entries.
-            let n = unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), 8, -1) };
-            if n < 0 {
-                let e = os_err();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
+        self.wait_until(None)
     }
 
     fn notify_fd(&self) -> Option<RawFd> {
@@ -481,30 +473,103 @@ impl Engine for NbdEngine {
     }
 }
 
+impl NbdEngine {
+    /// `wait`, giving up at `deadline` (None: never).
+    fn wait_until(&mut self, deadline: Option<Instant>) -> io::Result<()> {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 8];
+        loop {
+            self.submit()?;
+            self.progress();
+            if !self.done.is_empty() || self.in_flight == 0 {
+                return Ok(());
+            }
+            let ms = match deadline {
+                None => -1,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Ok(());
+                    }
+                    left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+                }
+            };
+            // SAFETY: `events` is a live array of 8 entries.
+            let n = unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), 8, ms) };
+            if n < 0 {
+                let e = os_err();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Reaps (and drops) completions until nothing is in flight or `deadline` passes;
+    /// returns how many failed.
+    fn drain_until(&mut self, deadline: Instant) -> usize {
+        let mut failed = 0;
+        loop {
+            let n = self
+                .done
+                .drain(&mut |c| failed += usize::from(c.result.is_err()));
+            self.in_flight -= n;
+            if self.in_flight == 0
+                || Instant::now() >= deadline
+                || self.wait_until(Some(deadline)).is_err()
+            {
+                return failed;
+            }
+        }
+    }
+
+    /// Gives up on every operation still in flight: closes the sockets, so that no reply
+    /// can reach their buffers any more, and says what was lost.
+    fn abandon(&mut self, waited: Duration) {
+        let (mut reads, mut writes, mut flushes, mut others) = (0, 0, 0, 0);
+        for s in self.slots.iter_mut().filter(|s| s.busy) {
+            match s.cmd {
+                CMD_READ => reads += 1,
+                CMD_WRITE => writes += 1,
+                CMD_FLUSH => flushes += 1,
+                _ => others += 1,
+            }
+            s.busy = false;
+        }
+        for conn in &mut self.conns {
+            conn.fd = None;
+            conn.sendq.clear();
+        }
+        error!(
+            "{}: closing with {} operations unanswered after waiting {:.1} s ({reads} reads, \
+             {writes} writes, {flushes} flushes, {others} trims or write-zeroes): abandoned \
+             (a write may or may not have reached the disk); no byte of theirs is read or \
+             written any more",
+            self.ex.spec,
+            reads + writes + flushes + others,
+            waited.as_secs_f64()
+        );
+    }
+}
+
 impl Drop for NbdEngine {
     fn drop(&mut self) {
-        // Everything in flight ends first (the push contract lends buffers until then).
-        while self.in_flight > 0 {
-            if self.wait().is_err() {
-                break;
-            }
-            let n = self.done.drain(&mut |_| {});
-            self.in_flight -= n;
-        }
+        let start = Instant::now();
+        let deadline = start + self.ex.opts.timeout;
+        // Everything in flight ends first (the push contract lends buffers until then),
+        // but not past the deadline.
+        self.drain_until(deadline);
         // Writes completed since the last flush are made durable before hanging up.
-        if self.dirty && !self.ex.read_only && self.ex.has(FLAG_SEND_FLUSH) {
+        if self.in_flight == 0 && self.dirty && !self.ex.read_only && self.ex.has(FLAG_SEND_FLUSH) {
             // SAFETY: a flush lends no buffer.
             if unsafe { self.push(DROP_TOKEN, Op::Flush) }.is_ok() {
                 let _ = self.submit();
-                while self.in_flight > 0 && self.wait().is_ok() {
-                    let mut failed = false;
-                    let n = self.done.drain(&mut |c| failed |= c.result.is_err());
-                    self.in_flight -= n;
-                    if failed {
-                        error!("{}: the flush at close failed", self.ex.spec);
-                    }
+                if self.drain_until(deadline) > 0 {
+                    error!("{}: the flush at close failed", self.ex.spec);
                 }
             }
+        }
+        if self.in_flight > 0 {
+            self.abandon(start.elapsed());
         }
         for c in &self.conns {
             if let Some(fd) = &c.fd {

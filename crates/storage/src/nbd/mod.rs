@@ -11,7 +11,7 @@
 //! | `sys` | the engine's epoll set, timerfd and non-blocking sockets |
 //! | `dial` | reconnection attempts on a helper thread, handing back a ready socket |
 //! | `reconnect` | a connection's life: breaks, held operations, reconnection, and when to give up |
-//! | `engine` | the [`Engine`](crate::Engine): operations into slots, completions, the notify fd |
+//! | `engine` | the [`Engine`](crate::Engine): operations into slots, completions, the notify fd, a bounded drop |
 //!
 //! [`Backend::open`](crate::Backend::open) connects once to learn the export (size, flags,
 //! block sizes) and hangs up; each engine then opens its own connection (several when the
@@ -50,7 +50,8 @@ pub struct NbdOptions {
     pub reconnect: Duration,
     /// A request with no reply (and no byte received) for this long means the connection
     /// is dead. It is also the limit of one connection attempt as a whole (name lookup,
-    /// connect and handshake).
+    /// connect and handshake), and how long dropping an engine waits for the operations
+    /// in flight before abandoning them.
     pub timeout: Duration,
     /// Connections per engine when the server offers multi-conn (1 otherwise).
     pub conns: u32,

@@ -1,12 +1,12 @@
 //! The NBD client against a hostile server (`server.rs`: scripted, in this test): a reply
 //! repeated, a reply for a finished operation, for an earlier use of a slot (with a read
 //! payload that must land nowhere), for a request sent before a replay; a server that
-//! breaks the protocol on every connection, or whenever one request comes; one that
-//! trickles its handshake a byte a second, at open and on reconnection. A protocol
-//! violation must break the connection and complete nothing (the operation is replayed and
-//! completes by its genuine reply), and every wait must end by its deadline. Deadlines are
-//! asserted with wide margins; a test whose engine waits forever fails by `within`'s limit
-//! instead of hanging.
+//! breaks the protocol on every connection; one that trickles its handshake a byte a
+//! second, at open and on reconnection; one that never answers while the engine is
+//! dropped. A protocol violation must break the connection and complete nothing (the
+//! operation is replayed and completes by its genuine reply), and every wait must end by
+//! its deadline. Deadlines are asserted with wide margins; a test whose engine waits
+//! forever fails by `within`'s limit instead of hanging.
 
 mod server;
 
@@ -635,5 +635,58 @@ fn a_server_trickling_its_handshake_on_reconnection_does_not_stall_the_worker() 
     assert!(
         longest < secs(1.5),
         "reap or submit blocked for {longest:?} while the engine reconnected"
+    );
+}
+
+#[test]
+fn dropping_the_engine_with_an_unanswered_operation_returns_by_the_deadline() {
+    let dropped = Arc::new(AtomicBool::new(false));
+    let d = dropped.clone();
+    let s = Server::unix(EX, move |s| {
+        if !greet(s) {
+            return;
+        }
+        if s.n != 1 {
+            return s.until_closed();
+        }
+        // Never answer; once the engine is gone, try to answer with poison.
+        let Ok(Some(r)) = s.request() else { return };
+        let start = Instant::now();
+        while !d.load(Ordering::Acquire) && start.elapsed() < secs(30.0) {
+            std::thread::sleep(secs(0.01));
+        }
+        let _ = s.reply(r.cookie, 0, &[POISON; BLOCK]);
+        s.until_closed();
+    });
+    let b = open_uri(s.uri(), &opts(2.0, 30.0)).unwrap();
+    let (buf, took) = within(secs(30.0), "dropping the engine", move || {
+        let mut buf = vec![UNTOUCHED; BLOCK];
+        let v = iov(&mut buf);
+        let mut e = engine(&b, 4);
+        // SAFETY: `buf` (its heap block) and `v` live until the engine is dropped below.
+        unsafe {
+            e.push(
+                1,
+                Op::Read {
+                    offset: 0,
+                    iov: &v,
+                    iovcnt: 1,
+                },
+            )
+        }
+        .unwrap();
+        e.submit().unwrap();
+        e.reap(&mut |c| panic!("completed: {:?}", c.result));
+        let t = Instant::now();
+        drop(e);
+        (buf, t.elapsed())
+    });
+    assert!(took >= secs(1.5) && took < secs(10.0), "drop took {took:?}");
+    // The server answers now: nothing reads its socket any more.
+    dropped.store(true, Ordering::Release);
+    std::thread::sleep(secs(0.3));
+    assert!(
+        buf.iter().all(|&x| x == UNTOUCHED),
+        "a reply reached the buffer after drop"
     );
 }
