@@ -158,7 +158,8 @@ pub trait Engine: Send {
     /// The iovec array and every buffer it points to stay valid, and are not read
     /// (for Read) or written (for Write) by anyone else, until the completion
     /// carrying `token` has been reaped, or the engine is dropped (drop waits for
-    /// everything in flight).
+    /// everything in flight; the NBD engine waits at most its timeout, then abandons
+    /// what is left and touches none of its buffers after drop returns).
     unsafe fn push(&mut self, token: u64, op: Op) -> Result<(), Full>;
     /// Hand everything pushed since the last call to the kernel, in as few syscalls as the
     /// engine can: one for io_uring, one per 32 operations for aio, none for threads (a

@@ -1,6 +1,7 @@
 //! One NBD connection in transmission, non-blocking.
 //!
-//! Sending: the send queue holds the slots that have pieces left to send, in order.
+//! Sending: the send queue holds the slots that have pieces left to send and room in their
+//! window ([`WINDOW`](super::slots::WINDOW) pieces awaiting replies), in order.
 //! `flush` gathers as many requests as one `sendmsg` takes (headers built on the spot,
 //! write payloads as iovecs pointing into the caller's buffers: nothing is copied), and
 //! keeps the place of a partial send (slot, piece, bytes sent) for the next call; when
@@ -11,12 +12,19 @@
 //! the same `recv` as the header are copied from the buffer (at most [`RBUF`] bytes), the
 //! rest is read by `readv` straight into the iovecs, with the buffer as the last iovec to
 //! catch the next header in the same call.
+//!
+//! A reply header is taken only when its cookie names a piece awaiting a reply on this
+//! connection ([`Slot::claim`]); anything else is a protocol violation that breaks the
+//! connection before a byte of its payload is read, so it completes nothing and writes
+//! into no buffer. Payloads land only in the buffers of the operation the header was
+//! claimed for, on the socket it came from: once a connection is broken, its socket is
+//! closed and its receive state dropped, so nothing sent on it can be read any more.
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::Instant;
 
-use super::slots::{scatter, segments, Slot};
+use super::slots::{scatter, segments, uncookie, Slot, Stray};
 use super::wire::{self, REPLY_LEN, REQUEST_LEN};
 
 /// Receive buffer bytes: 64 reply headers.
@@ -32,6 +40,7 @@ enum Rx {
     Header,
     Payload {
         slot: u32,
+        gen: u16,
         piece: u32,
         got: u64,
         len: u64,
@@ -137,7 +146,7 @@ impl Conn {
         let mut total = 0u64;
         for (qi, &si) in self.sendq.iter().enumerate() {
             let s = &slots[si as usize];
-            for p in s.next..s.pieces {
+            for p in s.next..s.window_end() {
                 if hdrs.len() >= HDRS_MAX || iovs.len() + 2 > IOV_MAX {
                     return total;
                 }
@@ -199,7 +208,8 @@ impl Conn {
                 self.last_rx = Instant::now();
             }
             self.waiting += 1;
-            if s.next == s.pieces {
+            if s.next == s.window_end() {
+                // All sent, or the window is full: a reply puts it back (`header`).
                 self.sendq.pop_front();
             }
             if n == 0 {
@@ -249,11 +259,18 @@ impl Conn {
                 }
                 Rx::Payload {
                     slot,
+                    gen,
                     piece,
                     mut got,
                     len,
                 } => {
                     let s = slots[slot as usize];
+                    if !s.busy || s.gen != gen {
+                        // Cannot happen: only this connection's replies change the slot.
+                        return Err(format!(
+                            "internal error: slot {slot} changed under a reply's payload"
+                        ));
+                    }
                     let base = s.piece(piece).0;
                     let avail = self.rtail - self.rhead;
                     if avail > 0 {
@@ -289,6 +306,7 @@ impl Conn {
                         let Some(n) = received(n)? else {
                             self.rx = Rx::Payload {
                                 slot,
+                                gen,
                                 piece,
                                 got,
                                 len,
@@ -302,10 +320,11 @@ impl Conn {
                     }
                     if got == len {
                         self.rx = Rx::Header;
-                        answer(&mut slots[slot as usize], slot, finished);
+                        answer(&slots[slot as usize], slot, finished);
                     } else {
                         self.rx = Rx::Payload {
                             slot,
+                            gen,
                             piece,
                             got,
                             len,
@@ -334,11 +353,22 @@ impl Conn {
                 )
             }
         })?;
-        let (si, piece) = ((r.cookie & 0xffff_ffff) as u32, (r.cookie >> 32) as u32);
+        let (si, gen, piece) = uncookie(r.cookie);
+        let stray = |why: Stray| {
+            format!(
+                "reply with cookie {:#x} (slot {si}, use {gen}, piece {piece}) matches no request awaiting one: {why}",
+                r.cookie
+            )
+        };
         let s = slots
             .get_mut(si as usize)
-            .filter(|s| s.busy && s.conn == me && piece < s.next && s.answered < s.pieces)
-            .ok_or_else(|| format!("reply with cookie {:#x}, which is not in flight", r.cookie))?;
+            .filter(|s| s.busy && s.conn == me)
+            .ok_or(Stray::Idle)
+            .map_err(stray)?;
+        let reopened = s.claim(gen, piece).map_err(stray)?;
+        if reopened {
+            self.sendq.push_back(si);
+        }
         self.waiting = self.waiting.saturating_sub(1);
         if r.error == wire::NBD_ESHUTDOWN {
             return Err("the server is shutting down (ESHUTDOWN)".into());
@@ -352,6 +382,7 @@ impl Conn {
             if len > 0 {
                 self.rx = Rx::Payload {
                     slot: si,
+                    gen,
                     piece,
                     got: 0,
                     len,
@@ -364,10 +395,11 @@ impl Conn {
     }
 }
 
-/// Counts a piece answered.
-fn answer(s: &mut Slot, si: u32, finished: &mut Vec<u32>) {
-    s.answered += 1;
-    if s.answered == s.pieces {
+/// A piece claimed by its reply is wholly received: the slot is finished when it was the
+/// last. (Payloads arrive one after another, so every other piece claimed before it is
+/// received by now.)
+fn answer(s: &Slot, si: u32, finished: &mut Vec<u32>) {
+    if s.done() {
         finished.push(si);
     }
 }

@@ -2,48 +2,42 @@
 //!
 //! `push` turns an operation into a slot (its pieces become requests) on a connection's
 //! send queue; `submit` sends what the sockets take; `reap` reads replies, matches their
-//! cookies to slots (replies come in any order), and hands out finished operations.
-//! Nothing is allocated per operation: slots, queues and scratch vectors are sized at
-//! creation.
+//! cookies to slots (replies come in any order; each piece is taken once, see `slots`),
+//! and hands out finished operations. Nothing is allocated per operation: slots, queues
+//! and scratch vectors are sized at creation.
 //!
 //! The notify fd is an epoll set of the engine's own: the sockets (readable: replies;
-//! writable, while a send is unfinished), and a timerfd that ticks while anything waits
-//! for the server. A worker sleeping on it wakes for replies, for a socket that drains,
-//! and for the ticks that detect a silent server and drive reconnection — it never spins.
+//! writable, while a send is unfinished), a timerfd that ticks while anything waits for
+//! the server, and an eventfd that a reconnection attempt's thread writes when it is done.
+//! A worker sleeping on it wakes for replies, for a socket that drains, for a new
+//! connection, and for the ticks that detect a silent server and pace reconnection — it
+//! never spins, and never blocks on a server (see `reconnect` for breaks and replays).
 //!
-//! When a connection breaks (the server hung up, a send or receive failed, a reply broke
-//! the protocol, or no byte came for [`NbdOptions::timeout`](super::NbdOptions) while
-//! replies were awaited) its operations are held, the engine reconnects with backoff (10
-//! ms doubling to 1 s) and replays every operation not yet answered — reads and writes
-//! are idempotent, and a write is only completed by its reply, so nothing acknowledged is
-//! lost. After [`NbdOptions::reconnect`](super::NbdOptions) without success they fail with
-//! `EIO`; later operations try one connection a second and fail at once when it does not
-//! come up.
+//! Dropping the engine waits for the operations in flight (their buffers are lent to it)
+//! for at most [`NbdOptions::timeout`](super::NbdOptions), then sends a FLUSH if anything
+//! was written since the last one, within the same deadline. What is still in flight then
+//! is abandoned and logged: the sockets are closed, and since only the engine reads them
+//! (a reconnection thread never sees an operation), no reply can reach a caller buffer
+//! after `drop` returns.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use log::{error, info, warn};
+use log::error;
 
 use super::conn::{disconnect, Conn, HDRS_MAX, IOV_MAX};
-use super::handshake;
+use super::dial;
+use super::reconnect::{Life, State};
 use super::slots::Slot;
-use super::sys::{epoll_ctl, os_err, set_nonblocking, settime};
+use super::sys::{epoll_ctl, os_err};
 use super::wire::*;
 use super::Export;
 use crate::engine::{
     check_range, errno, iov_slice, iov_total, Completion, CompletionRing, Engine, Full, Op,
 };
 
-/// Timer period while anything waits for the server.
-const TICK: Duration = Duration::from_millis(100);
-/// First reconnection delay; it doubles up to `MAX_BACKOFF`.
-const FIRST_BACKOFF: Duration = Duration::from_millis(10);
-const MAX_BACKOFF: Duration = Duration::from_secs(1);
-/// How often an engine whose server is gone tries again when new work comes.
-const FAILED_RETRY: Duration = Duration::from_secs(1);
 /// Bytes per trim or write-zeroes request.
 const BIG_CHUNK: u64 = 1 << 30;
 /// The zero buffer for writing zeroes on servers without WRITE_ZEROES.
@@ -52,36 +46,28 @@ const ZERO_CHUNK: u32 = 1 << 20;
 const DROP_TOKEN: u64 = u64::MAX;
 /// epoll data of the timer (sockets use their connection index).
 const EV_TIMER: u64 = u64::MAX;
-
-/// A connection's life.
-#[derive(Clone, Copy, Debug)]
-enum State {
-    Up,
-    Down {
-        since: Instant,
-        next_try: Instant,
-        backoff: Duration,
-    },
-    Failed {
-        last_try: Instant,
-    },
-}
+/// epoll data of the eventfd that reconnection attempts write.
+const EV_DIAL: u64 = u64::MAX - 1;
 
 /// The engine of an NBD disk.
 pub(crate) struct NbdEngine {
-    ex: Arc<Export>,
-    slots: Box<[Slot]>,
+    pub(super) ex: Arc<Export>,
+    pub(super) slots: Box<[Slot]>,
     free: Vec<u32>,
-    conns: Vec<Conn>,
-    states: Vec<State>,
+    pub(super) conns: Vec<Conn>,
+    pub(super) lives: Vec<Life>,
+    /// Connections with an attempt under way.
+    pub(super) dialing: usize,
     done: CompletionRing,
     finished: Vec<u32>,
     in_flight: usize,
     depth: usize,
-    epoll: OwnedFd,
-    timer: OwnedFd,
+    pub(super) epoll: OwnedFd,
+    pub(super) timer: OwnedFd,
+    /// Written by a reconnection attempt's thread when it has a result.
+    pub(super) wake: Arc<OwnedFd>,
     /// When the timer fires next (None: disarmed).
-    tick_at: Option<Instant>,
+    pub(super) tick_at: Option<Instant>,
     iovs: Vec<libc::iovec>,
     hdrs: Vec<[u8; REQUEST_LEN]>,
     rscratch: Vec<libc::iovec>,
@@ -130,19 +116,30 @@ impl NbdEngine {
             EV_TIMER,
         )
         .map_err(setup)?;
+        let wake = dial::eventfd().map_err(setup)?;
+        epoll_ctl(
+            &epoll,
+            libc::EPOLL_CTL_ADD,
+            wake.as_raw_fd(),
+            libc::EPOLLIN as u32,
+            EV_DIAL,
+        )
+        .map_err(setup)?;
         ex.add_engine()?;
         let n = ex.conns();
         let mut engine = NbdEngine {
             slots: vec![Slot::IDLE; depth].into_boxed_slice(),
             free: (0..depth as u32).rev().collect(),
             conns: (0..n).map(|_| Conn::new(depth)).collect(),
-            states: vec![State::Up; n],
+            lives: (0..n).map(|_| Life::new()).collect(),
+            dialing: 0,
             done: CompletionRing::new(depth + 1),
             finished: Vec::with_capacity(depth),
             in_flight: 0,
             depth,
             epoll,
             timer,
+            wake: Arc::new(wake),
             tick_at: None,
             iovs: Vec::with_capacity(IOV_MAX),
             hdrs: Vec::with_capacity(HDRS_MAX),
@@ -153,9 +150,9 @@ impl NbdEngine {
             ex,
         };
         for c in 0..n {
-            // A worker's engine starts connected; a server that is down now is an error
-            // here, not a stall.
-            if let Err(e) = engine.connect(c) {
+            // A worker's engine starts connected (on the thread that creates it, within
+            // the timeout); a server that is down now is an error here, not a stall.
+            if let Err(e) = engine.ex.connect().and_then(|fd| engine.attach(c, fd)) {
                 engine.ex.remove_engine();
                 return Err(crate::Error::Nbd {
                     uri: engine.ex.spec.to_string(),
@@ -166,24 +163,8 @@ impl NbdEngine {
         Ok(engine)
     }
 
-    /// Opens connection `c` and watches it.
-    fn connect(&mut self, c: usize) -> Result<(), super::NbdError> {
-        let limit = self.ex.opts.timeout.min(Duration::from_secs(5));
-        let (fd, info) = handshake::connect(&self.ex.spec, limit)?;
-        if info.size != self.ex.info.size {
-            return Err(super::NbdError::Protocol(format!(
-                "the export's size is now {} bytes, it was {}",
-                info.size, self.ex.info.size
-            )));
-        }
-        if info.has(FLAG_READ_ONLY) && !self.ex.read_only {
-            return Err(super::NbdError::ReadOnly);
-        }
-        let io = |source| super::NbdError::Io {
-            during: "setting up the connection",
-            source,
-        };
-        set_nonblocking(&fd).map_err(io)?;
+    /// Makes `fd` (connected and negotiated) connection `c`, watched and up.
+    pub(super) fn attach(&mut self, c: usize, fd: OwnedFd) -> Result<(), super::NbdError> {
         epoll_ctl(
             &self.epoll,
             libc::EPOLL_CTL_ADD,
@@ -191,9 +172,12 @@ impl NbdEngine {
             libc::EPOLLIN as u32,
             c as u64,
         )
-        .map_err(io)?;
+        .map_err(|source| super::NbdError::Io {
+            during: "setting up the connection",
+            source,
+        })?;
         self.conns[c].attach(fd);
-        self.states[c] = State::Up;
+        self.lives[c].state = State::Up;
         Ok(())
     }
 
@@ -248,14 +232,16 @@ impl NbdEngine {
                 s.iov = iov;
                 s.iovcnt = iovcnt;
                 s.result = total;
-                s.cut(total, u64::from(ex.max_payload));
+                if !s.cut(total, u64::from(ex.max_payload)) {
+                    return Some(Err(errno(libc::EINVAL)));
+                }
             }
             Op::Flush => {
                 if ex.read_only || !ex.has(FLAG_SEND_FLUSH) {
                     return Some(Ok(0));
                 }
                 s.cmd = CMD_FLUSH;
-                s.cut(0, 1);
+                s.single();
                 self.dirty = false;
             }
             Op::Discard { offset, len, .. } | Op::WriteZeroes { offset, len, .. } => {
@@ -273,17 +259,17 @@ impl NbdEngine {
                     op,
                     Op::Discard { durable: true, .. } | Op::WriteZeroes { durable: true, .. }
                 );
-                match op {
+                let cut = match op {
                     _ if len == 0 => return Some(Ok(0)),
                     Op::Discard { .. } if !ex.has(FLAG_SEND_TRIM) => return Some(Ok(0)),
                     Op::Discard { .. } => {
                         s.cmd = CMD_TRIM;
-                        s.cut(len, BIG_CHUNK);
+                        s.cut(len, BIG_CHUNK)
                     }
                     Op::WriteZeroes { unmap, .. } if ex.has(FLAG_SEND_WRITE_ZEROES) => {
                         s.cmd = CMD_WRITE_ZEROES;
                         s.flags = if unmap { 0 } else { CMD_FLAG_NO_HOLE };
-                        s.cut(len, BIG_CHUNK);
+                        s.cut(len, BIG_CHUNK)
                     }
                     _ => {
                         // Write zeroes from a shared buffer (iov null).
@@ -292,8 +278,12 @@ impl NbdEngine {
                             self.zero = vec![0u8; chunk as usize];
                         }
                         s.cmd = CMD_WRITE;
-                        s.cut(len, u64::from(chunk));
+                        s.cut(len, u64::from(chunk))
                     }
+                };
+                if !cut {
+                    // Over 2^32 requests (2 TiB of zeroes in 512-byte writes): refused.
+                    return Some(Err(errno(libc::EINVAL)));
                 }
                 // Write-through: the server makes the change durable before it answers
                 // (FUA applies to TRIM and WRITE_ZEROES as to WRITE), or a FLUSH follows.
@@ -313,13 +303,15 @@ impl NbdEngine {
         let c = self.rr % self.conns.len();
         self.rr = self.rr.wrapping_add(1);
         s.conn = c as u16;
+        // A new use of the slot: no cookie of an earlier one matches it.
+        s.gen = self.slots[idx as usize].gen.wrapping_add(1);
         self.slots[idx as usize] = s;
         self.conns[c].sendq.push_back(idx);
         None
     }
 
     /// Finishes slot `si` with `result`.
-    fn complete(&mut self, si: u32, result: io::Result<u64>) {
+    pub(super) fn complete(&mut self, si: u32, result: io::Result<u64>) {
         let s = &mut self.slots[si as usize];
         s.busy = false;
         if s.token == DROP_TOKEN && result.is_err() {
@@ -329,9 +321,10 @@ impl NbdEngine {
         self.free.push(si);
     }
 
-    /// Every piece of slot `si` is answered.
+    /// Every piece of slot `si` is answered: the server is making progress.
     fn finish(&mut self, si: u32) {
         let s = &mut self.slots[si as usize];
+        self.lives[usize::from(s.conn)].progress();
         if s.error != 0 {
             let (e, cmd) = (s.error, s.cmd);
             if cmd == CMD_FLUSH {
@@ -347,7 +340,7 @@ impl NbdEngine {
             // A FLUSH carries offset 0 and length 0 (strict servers refuse anything else).
             s.offset = 0;
             s.iov = std::ptr::null();
-            s.cut(0, 1);
+            s.single();
             let c = usize::from(s.conn);
             self.conns[c].sendq.push_back(si);
             return;
@@ -360,8 +353,8 @@ impl NbdEngine {
     }
 
     /// Sends what connection `c` can take.
-    fn flush_conn(&mut self, c: usize, now: Instant) {
-        if !matches!(self.states[c], State::Up) {
+    pub(super) fn flush_conn(&mut self, c: usize, now: Instant) {
+        if !matches!(self.lives[c].state, State::Up) {
             return;
         }
         let conn = &mut self.conns[c];
@@ -390,16 +383,19 @@ impl NbdEngine {
     /// Sends, receives and keeps time: everything but handing out completions.
     fn progress(&mut self) {
         let now = Instant::now();
+        if self.dialing > 0 {
+            self.dialed_any(now);
+        }
         if self.tick_at.is_some_and(|t| now >= t) {
             self.tick(now);
         }
         for c in 0..self.conns.len() {
-            if !matches!(self.states[c], State::Up) {
+            if !matches!(self.lives[c].state, State::Up) {
                 continue;
             }
             if self.conns[c].want_out {
                 self.flush_conn(c, now);
-                if !matches!(self.states[c], State::Up) {
+                if !matches!(self.lives[c].state, State::Up) {
                     continue;
                 }
             }
@@ -422,179 +418,6 @@ impl NbdEngine {
             if !self.conns[c].sendq.is_empty() && !self.conns[c].want_out {
                 self.flush_conn(c, now);
             }
-        }
-    }
-
-    /// The timer fired: silent servers, reconnection, re-arming.
-    fn tick(&mut self, now: Instant) {
-        let mut buf = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a live local; the timerfd is non-blocking.
-        unsafe { libc::read(self.timer.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
-        self.tick_at = None;
-        let timeout = self.ex.opts.timeout;
-        for c in 0..self.conns.len() {
-            match self.states[c] {
-                State::Up => {
-                    let conn = &self.conns[c];
-                    if conn.waiting > 0 && now.duration_since(conn.last_rx) >= timeout {
-                        let why = format!(
-                            "no reply for {} s ({} requests waiting)",
-                            timeout.as_secs_f64(),
-                            conn.waiting
-                        );
-                        self.broke(c, why, now);
-                    }
-                }
-                State::Down { next_try, .. } if now >= next_try => self.retry(c, now),
-                State::Down { .. } => {}
-                State::Failed { .. } => self.retry_failed(c, now),
-            }
-        }
-        let mut next: Option<Instant> = None;
-        for c in 0..self.conns.len() {
-            let at = match self.states[c] {
-                State::Up if self.conns[c].waiting > 0 || !self.conns[c].sendq.is_empty() => {
-                    Some(now + TICK)
-                }
-                State::Down { next_try, .. } => Some(next_try.min(now + TICK)),
-                _ => None,
-            };
-            next = match (next, at) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-        }
-        match next {
-            Some(at) => self.arm(at, now),
-            None => self.arm_raw(Duration::ZERO),
-        }
-    }
-
-    fn ensure_ticking(&mut self, now: Instant) {
-        if self.tick_at.is_none() {
-            self.arm(now + TICK, now);
-        }
-    }
-
-    fn arm(&mut self, at: Instant, now: Instant) {
-        let d = at
-            .saturating_duration_since(now)
-            .max(Duration::from_micros(1));
-        self.arm_raw(d);
-        self.tick_at = Some(at);
-    }
-
-    /// One-shot timer in `d` (zero: disarm).
-    fn arm_raw(&mut self, d: Duration) {
-        if let Err(e) = settime(&self.timer, d) {
-            error!("nbd: timerfd_settime failed: {e}");
-        }
-        if d.is_zero() {
-            self.tick_at = None;
-        }
-    }
-
-    /// Connection `c` is lost: hold its operations for a replay and start reconnecting.
-    fn broke(&mut self, c: usize, why: String, now: Instant) {
-        let held = self.requeue(c);
-        warn!(
-            "{}: connection lost: {why}; reconnecting for up to {} s ({held} operations held)",
-            self.ex.spec,
-            self.ex.opts.reconnect.as_secs_f64()
-        );
-        self.states[c] = State::Down {
-            since: now,
-            next_try: now + FIRST_BACKOFF,
-            backoff: FIRST_BACKOFF,
-        };
-        if self.tick_at.is_none_or(|t| t > now + FIRST_BACKOFF) {
-            self.arm(now + FIRST_BACKOFF, now);
-        }
-    }
-
-    /// Closes connection `c` and puts every operation of it back on its send queue, from
-    /// its first piece. Returns how many.
-    fn requeue(&mut self, c: usize) -> usize {
-        let conn = &mut self.conns[c];
-        if let Some(fd) = conn.fd.take() {
-            let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, fd.as_raw_fd(), 0, 0);
-        }
-        conn.sendq.clear();
-        conn.waiting = 0;
-        for (i, s) in self.slots.iter_mut().enumerate() {
-            if s.busy && usize::from(s.conn) == c {
-                s.restart();
-                conn.sendq.push_back(i as u32);
-            }
-        }
-        conn.sendq.len()
-    }
-
-    /// A reconnection attempt for a connection that is down.
-    fn retry(&mut self, c: usize, now: Instant) {
-        let State::Down { since, backoff, .. } = self.states[c] else {
-            return;
-        };
-        match self.connect(c) {
-            Ok(()) => {
-                info!(
-                    "{}: reconnected after {:.1} s; replaying {} operations",
-                    self.ex.spec,
-                    now.duration_since(since).as_secs_f64(),
-                    self.conns[c].sendq.len()
-                );
-                self.flush_conn(c, Instant::now());
-            }
-            Err(e) if now.duration_since(since) >= self.ex.opts.reconnect => {
-                error!(
-                    "{}: no connection for {} s (last attempt: {e}); failing {} operations with EIO",
-                    self.ex.spec,
-                    self.ex.opts.reconnect.as_secs_f64(),
-                    self.conns[c].sendq.len()
-                );
-                self.fail(c);
-                self.states[c] = State::Failed { last_try: now };
-            }
-            Err(e) => {
-                log::debug!("{}: reconnection failed: {e}", self.ex.spec);
-                let backoff = (backoff * 2).min(MAX_BACKOFF);
-                self.states[c] = State::Down {
-                    since,
-                    next_try: Instant::now() + backoff,
-                    backoff,
-                };
-            }
-        }
-    }
-
-    /// New work for a connection whose server is gone: one attempt a second, else EIO.
-    fn retry_failed(&mut self, c: usize, now: Instant) {
-        let State::Failed { last_try } = self.states[c] else {
-            return;
-        };
-        if self.conns[c].sendq.is_empty() {
-            return;
-        }
-        if now.duration_since(last_try) >= FAILED_RETRY {
-            match self.connect(c) {
-                Ok(()) => {
-                    info!("{}: connected again", self.ex.spec);
-                    self.flush_conn(c, now);
-                    return;
-                }
-                Err(e) => {
-                    log::debug!("{}: connection failed: {e}", self.ex.spec);
-                    self.states[c] = State::Failed { last_try: now };
-                }
-            }
-        }
-        self.fail(c);
-    }
-
-    /// Fails every operation of connection `c` with EIO.
-    fn fail(&mut self, c: usize) {
-        while let Some(si) = self.conns[c].sendq.pop_front() {
-            self.complete(si, Err(errno(libc::EIO)));
         }
     }
 }
@@ -621,7 +444,7 @@ impl Engine for NbdEngine {
             if self.conns[c].sendq.is_empty() {
                 continue;
             }
-            match self.states[c] {
+            match self.lives[c].state {
                 State::Up if !self.conns[c].want_out => self.flush_conn(c, now),
                 State::Failed { .. } => self.retry_failed(c, now),
                 _ => {}
@@ -638,22 +461,7 @@ impl Engine for NbdEngine {
     }
 
     fn wait(&mut self) -> io::Result<()> {
-        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 8];
-        loop {
-            self.submit()?;
-            self.progress();
-            if !self.done.is_empty() || self.in_flight == 0 {
-                return Ok(());
-            }
-            // SAFETY: `events` is a live array of 8 entries.
-            let n = unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), 8, -1) };
-            if n < 0 {
-                let e = os_err();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
+        self.wait_until(None)
     }
 
     fn notify_fd(&self) -> Option<RawFd> {
@@ -665,30 +473,103 @@ impl Engine for NbdEngine {
     }
 }
 
+impl NbdEngine {
+    /// `wait`, giving up at `deadline` (None: never).
+    fn wait_until(&mut self, deadline: Option<Instant>) -> io::Result<()> {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 8];
+        loop {
+            self.submit()?;
+            self.progress();
+            if !self.done.is_empty() || self.in_flight == 0 {
+                return Ok(());
+            }
+            let ms = match deadline {
+                None => -1,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Ok(());
+                    }
+                    left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+                }
+            };
+            // SAFETY: `events` is a live array of 8 entries.
+            let n = unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), 8, ms) };
+            if n < 0 {
+                let e = os_err();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Reaps (and drops) completions until nothing is in flight or `deadline` passes;
+    /// returns how many failed.
+    fn drain_until(&mut self, deadline: Instant) -> usize {
+        let mut failed = 0;
+        loop {
+            let n = self
+                .done
+                .drain(&mut |c| failed += usize::from(c.result.is_err()));
+            self.in_flight -= n;
+            if self.in_flight == 0
+                || Instant::now() >= deadline
+                || self.wait_until(Some(deadline)).is_err()
+            {
+                return failed;
+            }
+        }
+    }
+
+    /// Gives up on every operation still in flight: closes the sockets, so that no reply
+    /// can reach their buffers any more, and says what was lost.
+    fn abandon(&mut self, waited: Duration) {
+        let (mut reads, mut writes, mut flushes, mut others) = (0, 0, 0, 0);
+        for s in self.slots.iter_mut().filter(|s| s.busy) {
+            match s.cmd {
+                CMD_READ => reads += 1,
+                CMD_WRITE => writes += 1,
+                CMD_FLUSH => flushes += 1,
+                _ => others += 1,
+            }
+            s.busy = false;
+        }
+        for conn in &mut self.conns {
+            conn.fd = None;
+            conn.sendq.clear();
+        }
+        error!(
+            "{}: closing with {} operations unanswered after waiting {:.1} s ({reads} reads, \
+             {writes} writes, {flushes} flushes, {others} trims or write-zeroes): abandoned \
+             (a write may or may not have reached the disk); no byte of theirs is read or \
+             written any more",
+            self.ex.spec,
+            reads + writes + flushes + others,
+            waited.as_secs_f64()
+        );
+    }
+}
+
 impl Drop for NbdEngine {
     fn drop(&mut self) {
-        // Everything in flight ends first (the push contract lends buffers until then).
-        while self.in_flight > 0 {
-            if self.wait().is_err() {
-                break;
-            }
-            let n = self.done.drain(&mut |_| {});
-            self.in_flight -= n;
-        }
+        let start = Instant::now();
+        let deadline = start + self.ex.opts.timeout;
+        // Everything in flight ends first (the push contract lends buffers until then),
+        // but not past the deadline.
+        self.drain_until(deadline);
         // Writes completed since the last flush are made durable before hanging up.
-        if self.dirty && !self.ex.read_only && self.ex.has(FLAG_SEND_FLUSH) {
+        if self.in_flight == 0 && self.dirty && !self.ex.read_only && self.ex.has(FLAG_SEND_FLUSH) {
             // SAFETY: a flush lends no buffer.
             if unsafe { self.push(DROP_TOKEN, Op::Flush) }.is_ok() {
                 let _ = self.submit();
-                while self.in_flight > 0 && self.wait().is_ok() {
-                    let mut failed = false;
-                    let n = self.done.drain(&mut |c| failed |= c.result.is_err());
-                    self.in_flight -= n;
-                    if failed {
-                        error!("{}: the flush at close failed", self.ex.spec);
-                    }
+                if self.drain_until(deadline) > 0 {
+                    error!("{}: the flush at close failed", self.ex.spec);
                 }
             }
+        }
+        if self.in_flight > 0 {
+            self.abandon(start.elapsed());
         }
         for c in &self.conns {
             if let Some(fd) = &c.fd {

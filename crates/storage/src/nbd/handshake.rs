@@ -1,15 +1,23 @@
-//! Connecting and the fixed newstyle handshake, blocking with a time limit: `NBD_OPT_GO`
-//! asking for `NBD_INFO_BLOCK_SIZE`, falling back to `NBD_OPT_EXPORT_NAME` when the server
-//! does not know GO (or is not fixed newstyle). An unknown export is named with the
-//! server's list of exports (`NBD_OPT_LIST`). Only simple replies are negotiated.
+//! Connecting and the fixed newstyle handshake: `NBD_OPT_GO` asking for
+//! `NBD_INFO_BLOCK_SIZE`, falling back to `NBD_OPT_EXPORT_NAME` when the server does not
+//! know GO (or is not fixed newstyle). An unknown export is named with the server's list of
+//! exports (`NBD_OPT_LIST`). Only simple replies are negotiated.
+//!
+//! A connection attempt is blocking code with one deadline for all of it: the name lookup
+//! (on a helper thread, since `getaddrinfo` cannot be interrupted: past the deadline the
+//! attempt gives up and the thread ends on its own), the connect (non-blocking, then
+//! `poll`), and every read and write of the handshake (non-blocking, `poll` for what is
+//! left of the deadline), so a server that trickles its handshake a byte at a time is
+//! given up on as surely as a silent one.
 
-use std::fs::File;
 use std::io::{self, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
-use std::os::fd::OwnedFd;
-use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
 
+use super::sys::os_err;
 use super::wire::*;
 use super::{NbdAddr, NbdError, NbdSpec};
 
@@ -35,42 +43,248 @@ impl ExportInfo {
     }
 }
 
-/// Connects to the server and negotiates `spec`'s export; the socket comes back blocking,
-/// with `limit` as its read and write timeouts.
+/// Connects to the server and negotiates `spec`'s export, all within `limit`; the socket
+/// comes back non-blocking.
 pub(crate) fn connect(spec: &NbdSpec, limit: Duration) -> Result<(OwnedFd, ExportInfo), NbdError> {
-    let connect_err = |source| NbdError::Connect { source };
-    let fd: OwnedFd = match &spec.addr {
-        NbdAddr::Unix(path) => {
-            let s = UnixStream::connect(path).map_err(connect_err)?;
-            s.set_read_timeout(Some(limit)).map_err(connect_err)?;
-            s.set_write_timeout(Some(limit)).map_err(connect_err)?;
-            s.into()
-        }
-        NbdAddr::Tcp { host, port } => {
-            let addrs = (host.as_str(), *port)
-                .to_socket_addrs()
-                .map_err(connect_err)?;
-            let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
-            let mut found = None;
-            for a in addrs {
-                match TcpStream::connect_timeout(&a, limit) {
-                    Ok(s) => {
-                        found = Some(s);
-                        break;
-                    }
-                    Err(e) => last = e,
-                }
-            }
-            let s = found.ok_or_else(|| connect_err(last))?;
-            s.set_nodelay(true).map_err(connect_err)?;
-            s.set_read_timeout(Some(limit)).map_err(connect_err)?;
-            s.set_write_timeout(Some(limit)).map_err(connect_err)?;
-            s.into()
+    let deadline = Instant::now() + limit;
+    let failed = |during: &'static str, source: io::Error| {
+        if source.kind() == io::ErrorKind::TimedOut {
+            NbdError::Timeout { during, limit }
+        } else {
+            NbdError::Connect { source }
         }
     };
-    let mut f = File::from(fd);
-    let info = negotiate(&mut f, &spec.export)?;
-    Ok((f.into(), info))
+    let fd = match &spec.addr {
+        NbdAddr::Unix(path) => connect_unix(path, deadline).map_err(|e| failed("connecting", e))?,
+        NbdAddr::Tcp { host, port } => {
+            let addrs = resolve(host, *port, deadline).map_err(|e| failed("the name lookup", e))?;
+            connect_tcp(&addrs, deadline).map_err(|e| failed("connecting", e))?
+        }
+    };
+    let mut s = Timed { fd, deadline };
+    let info = negotiate(&mut s, &spec.export).map_err(|e| match e {
+        NbdError::Io { during, source } if source.kind() == io::ErrorKind::TimedOut => {
+            NbdError::Timeout { during, limit }
+        }
+        e => e,
+    })?;
+    Ok((s.fd, info))
+}
+
+/// What is left until `deadline`; `TimedOut` when nothing is.
+fn left(deadline: Instant) -> io::Result<Duration> {
+    let d = deadline.saturating_duration_since(Instant::now());
+    if d.is_zero() {
+        return Err(io::ErrorKind::TimedOut.into());
+    }
+    Ok(d)
+}
+
+/// The addresses of `host`; a name is looked up on a helper thread, given up on at
+/// `deadline`.
+fn resolve(host: &str, port: u16, deadline: Instant) -> io::Result<Vec<SocketAddr>> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(vec![SocketAddr::new(ip, port)]);
+    }
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let name = host.to_owned();
+    std::thread::Builder::new()
+        .name("nbd-resolve".into())
+        .spawn(move || {
+            let r = (name.as_str(), port)
+                .to_socket_addrs()
+                .map(|a| a.collect::<Vec<_>>());
+            let _ = tx.send(r);
+        })?;
+    match rx.recv_timeout(left(deadline)?) {
+        Ok(r) => r,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(io::ErrorKind::TimedOut.into()),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(io::Error::other(
+            "the name lookup thread ended without an answer",
+        )),
+    }
+}
+
+/// The first of `addrs` that accepts a connection before `deadline`.
+fn connect_tcp(addrs: &[SocketAddr], deadline: Instant) -> io::Result<OwnedFd> {
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "the name has no address");
+    for a in addrs {
+        match TcpStream::connect_timeout(a, left(deadline)?) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                s.set_nonblocking(true)?;
+                return Ok(s.into());
+            }
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => return Err(e),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// A non-blocking connection to the Unix socket `path`, made before `deadline` (a
+/// listener whose backlog is full answers EAGAIN: tried again every 10 ms).
+fn connect_unix(path: &Path, deadline: Instant) -> io::Result<OwnedFd> {
+    // SAFETY: sockaddr_un is plain data; all-zero is valid.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "socket path of {} bytes (at most {})",
+                bytes.len(),
+                addr.sun_path.len() - 1
+            ),
+        ));
+    }
+    for (d, &b) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = b as libc::c_char;
+    }
+    // SAFETY: plain syscall; flags are valid.
+    let raw = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if raw < 0 {
+        return Err(os_err());
+    }
+    // SAFETY: socket just returned this descriptor; nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    loop {
+        // SAFETY: a live, initialized sockaddr_un and its size.
+        let rc = unsafe {
+            libc::connect(
+                fd.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast(),
+                std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            return Ok(fd);
+        }
+        let e = os_err();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EAGAIN) => {
+                std::thread::sleep(left(deadline)?.min(Duration::from_millis(10)));
+            }
+            Some(libc::EINPROGRESS) => {
+                wait(&fd, libc::POLLOUT, deadline)?;
+                let mut err: libc::c_int = 0;
+                let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+                // SAFETY: reads an int-sized option into a live local.
+                let rc = unsafe {
+                    libc::getsockopt(
+                        fd.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        libc::SO_ERROR,
+                        (&mut err as *mut libc::c_int).cast(),
+                        &mut len,
+                    )
+                };
+                if rc != 0 {
+                    return Err(os_err());
+                }
+                if err != 0 {
+                    return Err(io::Error::from_raw_os_error(err));
+                }
+                return Ok(fd);
+            }
+            _ => return Err(e),
+        }
+    }
+}
+
+/// Waits until `fd` is ready for `events`, at most until `deadline`.
+fn wait(fd: &OwnedFd, events: i16, deadline: Instant) -> io::Result<()> {
+    loop {
+        let ms = left(deadline)?
+            .as_micros()
+            .div_ceil(1000)
+            .min(i32::MAX as u128) as i32;
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        let rc = unsafe { libc::poll(&mut p, 1, ms) };
+        if rc > 0 {
+            return Ok(());
+        }
+        if rc < 0 {
+            let e = os_err();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// A non-blocking socket read and written as a blocking one, until a deadline: then every
+/// call fails with `TimedOut`.
+struct Timed {
+    fd: OwnedFd,
+    deadline: Instant,
+}
+
+impl Read for Timed {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            // SAFETY: receives into a live buffer of `buf.len()` bytes.
+            let n = unsafe {
+                libc::recv(
+                    self.fd.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = os_err();
+            match e.kind() {
+                io::ErrorKind::WouldBlock => wait(&self.fd, libc::POLLIN, self.deadline)?,
+                io::ErrorKind::Interrupted => {}
+                _ => return Err(e),
+            }
+        }
+    }
+}
+
+impl Write for Timed {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        loop {
+            // SAFETY: sends from a live buffer of `buf.len()` bytes.
+            let n = unsafe {
+                libc::send(
+                    self.fd.as_raw_fd(),
+                    buf.as_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = os_err();
+            match e.kind() {
+                io::ErrorKind::WouldBlock => wait(&self.fd, libc::POLLOUT, self.deadline)?,
+                io::ErrorKind::Interrupted => {}
+                _ => return Err(e),
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Reads exactly `buf.len()` bytes; an early end is `Closed`.

@@ -5,11 +5,13 @@
 //! | --- | --- |
 //! | `uri` | [`NbdSpec`]: `nbd://HOST[:PORT]/EXPORT` and `nbd+unix:///EXPORT?socket=PATH` |
 //! | `wire` | magics, flags, commands, the request header and the simple reply |
-//! | `handshake` | connecting, and the fixed newstyle handshake (`NBD_OPT_GO`, falling back to `NBD_OPT_EXPORT_NAME`), blocking with a time limit |
-//! | `slots` | one operation in flight: its pieces (requests of at most the server's largest payload) and their geometry over the caller's iovecs |
+//! | `handshake` | connecting, and the fixed newstyle handshake (`NBD_OPT_GO`, falling back to `NBD_OPT_EXPORT_NAME`), blocking with one deadline for the name lookup, the connect and the handshake |
+//! | `slots` | one operation in flight: its pieces (requests of at most the server's largest payload), their geometry over the caller's iovecs, and exact reply accounting (cookies with a use counter, each piece answered once) |
 //! | `conn` | one connection in transmission: the send queue (`sendmsg` gathering headers and write payloads straight from the iovecs), the receive state machine (`readv` scattering read payloads straight into the iovecs), timeouts |
 //! | `sys` | the engine's epoll set, timerfd and non-blocking sockets |
-//! | `engine` | the [`Engine`](crate::Engine): slots, cookies, connections, reconnect and replay, the notify fd |
+//! | `dial` | reconnection attempts on a helper thread, handing back a ready socket |
+//! | `reconnect` | a connection's life: breaks, held operations, reconnection, and when to give up |
+//! | `engine` | the [`Engine`](crate::Engine): operations into slots, completions, the notify fd, a bounded drop |
 //!
 //! [`Backend::open`](crate::Backend::open) connects once to learn the export (size, flags,
 //! block sizes) and hangs up; each engine then opens its own connection (several when the
@@ -17,13 +19,16 @@
 //! shared between device workers.
 
 mod conn;
+mod dial;
 mod engine;
 mod handshake;
+mod reconnect;
 mod slots;
 mod sys;
 mod uri;
 mod wire;
 
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -38,10 +43,15 @@ use crate::spec::SECTOR_SIZE;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NbdOptions {
     /// After a connection breaks, how long to keep reconnecting (and holding the
-    /// operations in flight, to replay them) before failing them with `EIO`.
+    /// operations in flight, to replay them) before failing them with `EIO`. It is
+    /// counted from the first break since an operation last completed, so a server that
+    /// accepts connections and breaks the protocol again and again does not restart it;
+    /// and no operation is held longer than this after the first break that caught it.
     pub reconnect: Duration,
     /// A request with no reply (and no byte received) for this long means the connection
-    /// is dead; it is also the limit of one connection attempt and handshake.
+    /// is dead. It is also the limit of one connection attempt as a whole (name lookup,
+    /// connect and handshake), and how long dropping an engine waits for the operations
+    /// in flight before abandoning them.
     pub timeout: Duration,
     /// Connections per engine when the server offers multi-conn (1 otherwise).
     pub conns: u32,
@@ -85,6 +95,14 @@ pub enum NbdError {
     Closed {
         /// The step of the handshake.
         during: &'static str,
+    },
+    /// A connection attempt did not finish in time.
+    #[error("{during} did not finish within {} s, the time limit of a connection attempt and handshake", limit.as_secs_f64())]
+    Timeout {
+        /// The step it was at.
+        during: &'static str,
+        /// The limit.
+        limit: Duration,
     },
     /// The server broke the protocol.
     #[error("protocol error: {0}")]
@@ -212,6 +230,22 @@ impl Export {
             max_payload,
             writers: AtomicUsize::new(0),
         })
+    }
+
+    /// A connection for an engine: connected and negotiated within `opts.timeout`,
+    /// non-blocking, and checked to serve the export `open` found.
+    pub(crate) fn connect(&self) -> Result<OwnedFd, NbdError> {
+        let (fd, info) = handshake::connect(&self.spec, self.opts.timeout)?;
+        if info.size != self.info.size {
+            return Err(NbdError::Protocol(format!(
+                "the export's size is now {} bytes, it was {}",
+                info.size, self.info.size
+            )));
+        }
+        if info.has(wire::FLAG_READ_ONLY) && !self.read_only {
+            return Err(NbdError::ReadOnly);
+        }
+        Ok(fd)
     }
 
     /// Whether the server sets transmission flag `f`.

@@ -1,10 +1,67 @@
 //! One operation in flight, as NBD requests: an operation is cut into pieces of at most
-//! `chunk` bytes (the server's largest payload for reads and writes), each a request whose
-//! cookie is `slot | piece << 32`. The slot counts pieces sent and answered; it completes
-//! when every piece is answered (the first error wins). A durable write on a server without
-//! FUA has a second stage, a FLUSH, sent once every piece of the write is answered.
+//! `chunk` bytes (the server's largest payload for reads and writes), each a request. A
+//! durable write on a server without FUA has a second stage, a FLUSH, sent once every
+//! piece of the write is answered.
+//!
+//! Replies are matched exactly, in O(1), with no allocation:
+//! - The cookie is `slot | use << 16 | piece << 32`. `use` is the slot's 16-bit use
+//!   counter, bumped whenever the slot's requests start over: a new operation, a replay
+//!   after a broken connection, the FLUSH stage. A reply naming an earlier operation of
+//!   the slot, or a request sent on an earlier connection, names another use and matches
+//!   nothing (a cookie 65536 uses old would match again; a server can forge a reply for
+//!   any cookie it was sent anyway, so the counter tells stale replies from fresh ones,
+//!   it is no secret).
+//! - Each piece is answered at most once: pieces below `base` are answered, bit `i` of
+//!   `acked` is piece `base + i`, and at most [`WINDOW`] pieces past `base` are sent
+//!   (`next - base <= WINDOW`), so one word holds the set. A slot whose window is full
+//!   leaves the send queue and comes back when a reply moves `base` (one operation as
+//!   large as 64 server payloads waits for replies; nothing else does).
+//!
+//! A reply is accepted only for a piece of the slot's current use with
+//! `base <= piece < next` and its bit clear; anything else is a protocol violation.
+
+use std::time::Instant;
 
 use super::wire::{request, CMD_READ, CMD_WRITE, REQUEST_LEN};
+
+/// Pieces of one operation sent and not answered, at most (the bits of `Slot::acked`).
+pub(crate) const WINDOW: u32 = 64;
+
+/// The cookie of piece `piece` of use `gen` of slot `slot` (below 65536: the engine depth
+/// is at most [`MAX_DEPTH`](crate::MAX_DEPTH)).
+pub(crate) fn cookie(slot: u32, gen: u16, piece: u32) -> u64 {
+    u64::from(slot & 0xffff) | (u64::from(gen) << 16) | (u64::from(piece) << 32)
+}
+
+/// A cookie's slot, use and piece.
+pub(crate) fn uncookie(c: u64) -> (u32, u16, u32) {
+    ((c & 0xffff) as u32, (c >> 16) as u16, (c >> 32) as u32)
+}
+
+/// Why a reply matches no piece awaiting one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stray {
+    /// The slot holds no operation on this connection.
+    Idle,
+    /// The cookie names an earlier use of the slot (a finished operation, or a request
+    /// sent before a replay).
+    OldUse,
+    /// The piece was not (wholly) sent.
+    NotSent,
+    /// The piece was answered already.
+    Repeated,
+}
+
+impl std::fmt::Display for Stray {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stray::Idle => "its slot holds no operation on this connection",
+            Stray::OldUse => "it names an earlier use of its slot (an operation finished, or a request sent before a replay)",
+            Stray::NotSent => "that request was not sent",
+            Stray::Repeated => "that request was answered already",
+        })
+    }
+}
 
 /// The state of one operation.
 #[derive(Clone, Copy, Debug)]
@@ -24,11 +81,16 @@ pub(crate) struct Slot {
     /// Bytes per piece.
     pub chunk: u64,
     pub pieces: u32,
-    /// Pieces whose request is wholly sent.
+    /// Pieces whose request is wholly sent (in this use).
     pub next: u32,
     /// Bytes of piece `next` already sent.
     pub sent: u32,
-    pub answered: u32,
+    /// Every piece below it is answered.
+    pub base: u32,
+    /// Bit `i`: piece `base + i` is answered (bit 0 is always clear).
+    pub acked: u64,
+    /// The use the cookies name.
+    pub gen: u16,
     /// The first errno answered (0: none).
     pub error: i32,
     /// Durable write without FUA: a FLUSH follows once the write is answered.
@@ -37,6 +99,9 @@ pub(crate) struct Slot {
     pub result: u64,
     /// The connection it is sent on.
     pub conn: u16,
+    /// When a broken connection first caught the operation (it is replayed until then
+    /// plus the reconnect window).
+    pub held: Option<Instant>,
 }
 
 impl Slot {
@@ -53,31 +118,82 @@ impl Slot {
         pieces: 0,
         next: 0,
         sent: 0,
-        answered: 0,
+        base: 0,
+        acked: 0,
+        gen: 0,
         error: 0,
         then_flush: false,
         result: 0,
         conn: 0,
+        held: None,
     };
 
-    /// Sets up the pieces for `len` bytes in chunks of `chunk`.
-    pub(crate) fn cut(&mut self, len: u64, chunk: u64) {
+    /// Sets up the pieces for `len` bytes in chunks of `chunk`; `false` when that takes
+    /// more pieces than a cookie can number (2^32).
+    #[must_use]
+    pub(crate) fn cut(&mut self, len: u64, chunk: u64) -> bool {
         self.len = len;
         self.chunk = chunk.max(1);
-        self.pieces = if len == 0 {
-            1
-        } else {
-            len.div_ceil(self.chunk) as u32
+        let Ok(pieces) = u32::try_from(len.div_ceil(self.chunk).max(1)) else {
+            return false;
         };
+        self.pieces = pieces;
+        self.restart();
+        true
+    }
+
+    /// One request with no range and no payload (a FLUSH).
+    pub(crate) fn single(&mut self) {
+        self.len = 0;
+        self.chunk = 1;
+        self.pieces = 1;
         self.restart();
     }
 
-    /// Forgets every piece sent or answered: the operation starts again (a replay).
+    /// Forgets every piece sent or answered, and takes a new use: the operation starts
+    /// again (a replay), and replies to what was sent before match nothing.
     pub(crate) fn restart(&mut self) {
         self.next = 0;
         self.sent = 0;
-        self.answered = 0;
+        self.base = 0;
+        self.acked = 0;
         self.error = 0;
+        self.gen = self.gen.wrapping_add(1);
+    }
+
+    /// One past the last piece that may be sent now.
+    pub(crate) fn window_end(&self) -> u32 {
+        self.pieces.min(self.base.saturating_add(WINDOW))
+    }
+
+    /// Every piece is answered.
+    pub(crate) fn done(&self) -> bool {
+        self.base == self.pieces
+    }
+
+    /// Takes the reply for piece `p` of use `gen`. `Ok(true)` when the slot had sent all
+    /// its window allowed and has room again (it goes back on the send queue).
+    pub(crate) fn claim(&mut self, gen: u16, p: u32) -> Result<bool, Stray> {
+        if gen != self.gen {
+            return Err(Stray::OldUse);
+        }
+        if p >= self.next {
+            return Err(Stray::NotSent);
+        }
+        if p < self.base {
+            return Err(Stray::Repeated);
+        }
+        // base <= p < next <= base + WINDOW: the bit exists.
+        let bit = 1u64 << (p - self.base);
+        if self.acked & bit != 0 {
+            return Err(Stray::Repeated);
+        }
+        let stalled = self.next < self.pieces && self.next == self.window_end();
+        self.acked |= bit;
+        let answered = self.acked.trailing_ones();
+        self.base += answered;
+        self.acked = self.acked.checked_shr(answered).unwrap_or(0);
+        Ok(stalled && self.next < self.window_end())
     }
 
     /// Byte range of piece `p` within the operation: (start, length).
@@ -107,11 +223,10 @@ impl Slot {
     /// The request header of piece `p` of slot `index`.
     pub(crate) fn header(&self, index: u32, p: u32) -> [u8; REQUEST_LEN] {
         let (start, len) = self.piece(p);
-        let cookie = u64::from(index) | (u64::from(p) << 32);
         request(
             self.flags,
             self.cmd,
-            cookie,
+            cookie(index, self.gen, p),
             self.offset + start,
             len as u32,
         )
@@ -204,19 +319,80 @@ mod tests {
     fn pieces_cover_the_operation() {
         let mut s = Slot::IDLE;
         s.cmd = CMD_WRITE;
-        s.cut(10 << 20, 4 << 20);
+        assert!(s.cut(10 << 20, 4 << 20));
         assert_eq!(s.pieces, 3);
         assert_eq!(s.piece(0), (0, 4 << 20));
         assert_eq!(s.piece(2), (8 << 20, 2 << 20));
         assert_eq!(s.payload(2), 2 << 20);
         assert_eq!(s.reply_payload(2), 0);
-        s.cut(0, 4096);
+        assert!(s.cut(0, 4096));
         assert_eq!(s.pieces, 1);
         s.offset = 512;
-        s.cut(4096, 4096);
+        assert!(s.cut(4096, 4096));
         let h = s.header(7, 0);
-        assert_eq!(u64::from_be_bytes(h[8..16].try_into().unwrap()), 7);
+        let c = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        assert_eq!(uncookie(c), (7, s.gen, 0));
         assert_eq!(u64::from_be_bytes(h[16..24].try_into().unwrap()), 512);
+        // More pieces than a cookie numbers: refused, not truncated.
+        assert!(!s.cut(1 << 42, 512));
+    }
+
+    #[test]
+    fn cookies_round_trip() {
+        let c = cookie(32767, 0xbeef, u32::MAX);
+        assert_eq!(uncookie(c), (32767, 0xbeef, u32::MAX));
+    }
+
+    /// A slot with `pieces` pieces, `sent` of them sent.
+    fn sent(pieces: u64, sent: u32) -> Slot {
+        let mut s = Slot::IDLE;
+        s.cmd = CMD_WRITE;
+        assert!(s.cut(pieces * 512, 512));
+        s.next = sent;
+        s
+    }
+
+    #[test]
+    fn each_piece_is_answered_once_in_any_order() {
+        let mut s = sent(3, 3);
+        let g = s.gen;
+        assert_eq!(s.claim(g, 1), Ok(false));
+        assert_eq!(s.claim(g, 1), Err(Stray::Repeated));
+        assert!(!s.done());
+        assert_eq!(s.claim(g, 0), Ok(false));
+        assert_eq!(s.base, 2);
+        assert_eq!(s.claim(g, 0), Err(Stray::Repeated));
+        assert_eq!(s.claim(g, 3), Err(Stray::NotSent));
+        assert_eq!(s.claim(g.wrapping_sub(1), 2), Err(Stray::OldUse));
+        assert!(!s.done());
+        assert_eq!(s.claim(g, 2), Ok(false));
+        assert!(s.done());
+        // A replay is a new use: the old cookies match nothing.
+        s.restart();
+        s.next = 1;
+        assert_eq!(s.claim(g, 0), Err(Stray::OldUse));
+        assert_eq!(s.claim(s.gen, 0), Ok(false));
+    }
+
+    #[test]
+    fn the_window_bounds_pieces_awaiting_replies() {
+        let mut s = sent(200, 0);
+        assert_eq!(s.window_end(), WINDOW);
+        s.next = WINDOW;
+        let g = s.gen;
+        // The last piece of the window answered: base stays, no room yet.
+        assert_eq!(s.claim(g, WINDOW - 1), Ok(false));
+        assert_eq!(s.window_end(), WINDOW);
+        // The first: base moves past both, and the stalled slot has room again.
+        assert_eq!(s.claim(g, 0), Ok(true));
+        assert_eq!(s.base, 1);
+        assert_eq!(s.window_end(), WINDOW + 1);
+        for p in 1..WINDOW - 1 {
+            assert_eq!(s.claim(g, p), Ok(false));
+        }
+        assert_eq!(s.base, WINDOW);
+        assert_eq!(s.acked, 0);
+        assert_eq!(s.window_end(), 2 * WINDOW);
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! The few system calls the NBD engine makes besides socket I/O: its epoll set, its
-//! timerfd, and non-blocking sockets.
+//! The few system calls the NBD engine makes besides socket I/O: its epoll set and its
+//! timerfd.
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -21,20 +21,6 @@ pub(crate) fn epoll_ctl(
     let mut ev = libc::epoll_event { events, u64: data };
     // SAFETY: a valid epoll descriptor and a live event struct.
     if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), op, fd, &mut ev) } != 0 {
-        return Err(os_err());
-    }
-    Ok(())
-}
-
-/// Sets O_NONBLOCK.
-pub(crate) fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
-    // SAFETY: F_GETFL on a descriptor we own.
-    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-    if flags < 0 {
-        return Err(os_err());
-    }
-    // SAFETY: F_SETFL on a descriptor we own, with the flags it had plus O_NONBLOCK.
-    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
         return Err(os_err());
     }
     Ok(())
