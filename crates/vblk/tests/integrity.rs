@@ -3,8 +3,13 @@
 //!
 //! - QEMU `queue-size` 64, 128, 256 and 1024: one boot each;
 //! - `--cache none` and `--cache writeback` × `--engine io_uring` and `--engine sync`:
-//!   the four disks of each boot, one daemon each (2 queues, 2 workers, `--queue-size`
-//!   1024, 256, 256, 1024: see [`daemon_queue_size`]).
+//!   four disks of each boot, one daemon each (2 queues, 2 workers, `--queue-size`
+//!   1024, 256, 256, 1024: see [`daemon_queue_size`]);
+//! - `--engine aio` (which needs `--cache none`) and `--engine threads`: a fifth disk,
+//!   one of them per boot ([`FIFTH_DISK`]), so that each meets both daemon queue sizes
+//!   and threads both cache modes. A disk adds 1-2 s to a boot (fio writes and reads
+//!   all the disks of a boot in one run) where a boot takes 18-35 s, so the two engines
+//!   ride on the boots there are rather than multiply the matrix.
 //!
 //! What the guest does (`support::fio` has the jobs and the reasons):
 //! - reads every disk's limits from sysfs and raises `max_sectors_kb`, so that only the
@@ -14,14 +19,14 @@
 //!   segment per page: Linux builds indirect descriptor tables of up to
 //!   `max_segments + 2` entries, whatever the ring size;
 //! - runs fio, O_DIRECT, engines io_uring and psync, two clones per job pinned one per
-//!   vCPU (so both virtqueues carry I/O), each job on all four disks: 512 B, 3.5 KiB,
+//!   vCPU (so both virtqueues carry I/O), each job on all five disks: 512 B, 3.5 KiB,
 //!   4 KiB, 65.5 KiB, 64 KiB, 1 MiB, 1280 KiB and `max_segments` pages, all at once
 //!   (some with `verify_backlog`); then 4 MiB writes (more pages than `max_segments`); then
 //!   the largest transfer the device advertises (`max_segments × max_segment_size`, at
 //!   most [`LARGEST_CAP`]) from one physically contiguous 1 GiB page, on one disk per
-//!   boot (it is the costly one: about 30 s for 1022 MiB under TCG; across the four boots
-//!   every cache × engine combination gets it once). Every block written is read back into
-//!   fresh buffers and verified.
+//!   boot (it is the costly one: about 10 s for 1022 MiB under TCG; across the four boots
+//!   each of the four io_uring and sync disks gets it once, the fifth disk never). Every
+//!   block written is read back into fresh buffers and verified.
 //!
 //! Asserted, per boot: every fio job ran, wrote and read back the bytes it should, with no
 //! error (no verify failure); the 4 MiB writes were split by the segment limit; the
@@ -32,14 +37,16 @@
 //! every failing combination; each boot's whole report (serial log, daemon logs) is kept
 //! in `target/tmp/integrity/`.
 //!
-//! How long, on 2 shared cores: about 3 minutes (boots of 30-60 s; most of it is fio's
-//! crc32c and page clearing under TCG). The first run also builds the fio layer of the
-//! initramfs (fio and its 64 libraries, about 85 MB, cached under
-//! `target/guest-assets/`) and compiles the fragmenter: a few seconds more.
+//! How long, on 2 shared cores: 1.5-2 minutes (boots of 20-35 s; most of it is fio's
+//! crc32c and page clearing under TCG). The fifth disk added about 9 s: 106 s and 94 s
+//! before, 115 s and 103 s after, in two back-to-back pairs with another guest running
+//! beside. The first run also builds the fio layer of the initramfs (fio and its 64
+//! libraries, about 85 MB, cached under `target/guest-assets/`) and compiles the
+//! fragmenter: a few seconds more.
 //!
 //! `VBLK_GUEST_BACKEND=qemu-storage-daemon` runs the same suite against
-//! qemu-storage-daemon (`cache.direct=on|off`, `aio=io_uring|threads`), to validate the
-//! suite itself; `VBLK_GUEST_VERBOSE=1` prints every boot's report;
+//! qemu-storage-daemon (`cache.direct=on|off`, `aio=io_uring|native|threads`), to validate
+//! the suite itself; `VBLK_GUEST_VERBOSE=1` prints every boot's report;
 //! `VBLK_GUEST_TIMEOUT_SECS` overrides the per-boot limit (600 s);
 //! `VBLK_INTEGRITY_QUEUE_SIZES=64,256` runs only some of the boots (for debugging; the
 //! suite runs all of them).
@@ -62,12 +69,20 @@ const MIB: u64 = 1024 * 1024;
 
 /// QEMU `queue-size` of each boot.
 const QUEUE_SIZES: [u16; 4] = [64, 128, 256, 1024];
-/// The four disks of a boot.
+/// The four disks every boot has.
 const DISKS: [(Cache, Engine); 4] = [
     (Cache::None, Engine::IoUring),
     (Cache::None, Engine::Sync),
     (Cache::Writeback, Engine::IoUring),
     (Cache::Writeback, Engine::Sync),
+];
+/// The fifth disk of each boot (by its place in [`QUEUE_SIZES`]): aio and threads, each
+/// at a daemon `--queue-size` of 1024 and of 256 (see [`daemon_queue_size`]).
+const FIFTH_DISK: [(Cache, Engine); 4] = [
+    (Cache::None, Engine::Aio),
+    (Cache::Writeback, Engine::Threads),
+    (Cache::None, Engine::Aio),
+    (Cache::None, Engine::Threads),
 ];
 const NUM_QUEUES: u16 = 2;
 /// The largest transfer tested, whatever the device advertises: its buffer, with fio's
@@ -305,23 +320,24 @@ fn report_path(backend: Backend, queue_size: u16) -> PathBuf {
     dir.join(format!("{backend:?}-q{queue_size}.log").to_lowercase())
 }
 
-/// Boots a guest with QEMU `queue-size=queue_size` on four disks (the cache × engine
-/// combinations) and returns a summary line and the problems found.
+/// Boots a guest with QEMU `queue-size=queue_size` on five disks ([`DISKS`] and this
+/// boot's [`FIFTH_DISK`]) and returns a summary line and the problems found.
 fn run_boot(backend: Backend, queue_size: u16, layer: &Path) -> (String, Vec<String>) {
-    // Each boot gives the largest transfer to another disk: across the four boots, every
-    // cache × engine combination gets it once.
     let boot_index = QUEUE_SIZES
         .iter()
         .position(|&q| q == queue_size)
         .unwrap_or(0);
+    let disks: Vec<(Cache, Engine)> = DISKS.into_iter().chain([FIFTH_DISK[boot_index]]).collect();
+    // Each boot gives the largest transfer to another of the four first disks: across the
+    // four boots, each of them gets it once.
     let phases = phases(boot_index % DISKS.len());
     let (offsets, disk_bytes) = layout(&phases, LARGEST_CAP);
     let dir = TempDir::new("integ");
     let images = TempDir::new_in(&target_dir().join("tmp"), "integ-img");
-    let names: Vec<String> = (0..DISKS.len())
+    let names: Vec<String> = (0..disks.len())
         .map(|i| format!("vd{}", (b'a' + i as u8) as char))
         .collect();
-    let labels: Vec<String> = DISKS
+    let labels: Vec<String> = disks
         .iter()
         .map(|(c, e)| format!("q{queue_size}/cache={}/engine={}", c.name(), e.name()))
         .collect();
@@ -340,7 +356,7 @@ fn run_boot(backend: Backend, queue_size: u16, layer: &Path) -> (String, Vec<Str
         .layer(layer)
         .timeout(Duration::from_secs(600));
     let mut daemons = Vec::new();
-    for (i, (cache, engine)) in DISKS.iter().enumerate() {
+    for (i, (cache, engine)) in disks.iter().enumerate() {
         let image = images.join(format!("{}.img", names[i]));
         std::fs::File::create(&image)
             .and_then(|f| f.set_len(disk_bytes))
@@ -350,9 +366,10 @@ fn run_boot(backend: Backend, queue_size: u16, layer: &Path) -> (String, Vec<Str
             .engine(*engine)
             .args(&["--threads", "2"])
             .args(&["--queue-size", &daemon_queue_size(queue_size).to_string()]);
-        if *engine == Engine::Sync {
-            // Half the daemons answer every notification without polling, half poll (the
-            // default): both ways of draining the rings are exercised.
+        if matches!(engine, Engine::Sync | Engine::Threads) {
+            // The sync and threads daemons answer every notification without polling, the
+            // io_uring and aio ones poll (the default): both ways of draining the rings
+            // are exercised.
             export = export.args(&["--poll-us", "0"]);
         }
         let name = format!("{}-daemon", names[i]);

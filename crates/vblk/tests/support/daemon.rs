@@ -59,6 +59,11 @@ pub enum Engine {
     /// `--engine sync` (preadv/pwritev on the worker); qemu-storage-daemon `aio=threads`
     /// (preadv/pwritev on a thread pool), its nearest equivalent.
     Sync,
+    /// `--engine aio` (Linux AIO; needs [`Cache::None`]), qemu-storage-daemon `aio=native`.
+    Aio,
+    /// `--engine threads` (preadv/pwritev on a thread pool), qemu-storage-daemon
+    /// `aio=threads`.
+    Threads,
 }
 
 impl Engine {
@@ -66,6 +71,8 @@ impl Engine {
         match self {
             Engine::IoUring => "io_uring",
             Engine::Sync => "sync",
+            Engine::Aio => "aio",
+            Engine::Threads => "threads",
         }
     }
 }
@@ -196,7 +203,8 @@ impl Daemon {
                     },
                     match export.engine {
                         Some(Engine::IoUring) => "io_uring",
-                        Some(Engine::Sync) | None => "threads",
+                        Some(Engine::Aio) => "native",
+                        Some(Engine::Sync | Engine::Threads) | None => "threads",
                     },
                     if export.read_only {
                         ",read-only=on"
