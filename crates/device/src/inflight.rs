@@ -118,7 +118,13 @@ impl InflightRegion {
             return Err(format!("mmap offset {mmap_offset:#x} is not page aligned"));
         }
         let (fs, _) = sigbus::file_pages(file.as_raw_fd()).map_err(|e| e.to_string())?;
-        if ![sigbus::TMPFS_MAGIC, sigbus::RAMFS_MAGIC, sigbus::HUGETLBFS_MAGIC].contains(&fs) {
+        if ![
+            sigbus::TMPFS_MAGIC,
+            sigbus::RAMFS_MAGIC,
+            sigbus::HUGETLBFS_MAGIC,
+        ]
+        .contains(&fs)
+        {
             return Err(format!(
                 "its file is on a file system of type {fs:#x}, not a memfd, tmpfs or hugetlbfs (accesses to a file elsewhere can stall the device)"
             ));

@@ -286,16 +286,21 @@ fn map_region(d: RegionDesc, file: File, poison: &Arc<AtomicBool>) -> Result<Reg
             source: std::io::Error::last_os_error(),
         });
     }
-    let (fs_type, page) = sigbus::file_pages(file.as_raw_fd()).map_err(|source| MemError::Stat {
-        gpa: d.gpa,
-        source,
-    })?;
+    let (fs_type, page) = sigbus::file_pages(file.as_raw_fd())
+        .map_err(|source| MemError::Stat { gpa: d.gpa, source })?;
     match st.st_mode & libc::S_IFMT {
         libc::S_IFREG => {
-            if ![sigbus::TMPFS_MAGIC, sigbus::HUGETLBFS_MAGIC, sigbus::RAMFS_MAGIC]
-                .contains(&fs_type)
+            if ![
+                sigbus::TMPFS_MAGIC,
+                sigbus::HUGETLBFS_MAGIC,
+                sigbus::RAMFS_MAGIC,
+            ]
+            .contains(&fs_type)
             {
-                return Err(MemError::NotMemoryFs { gpa: d.gpa, fs_type });
+                return Err(MemError::NotMemoryFs {
+                    gpa: d.gpa,
+                    fs_type,
+                });
             }
             let file_size = u64::try_from(st.st_size).unwrap_or(0);
             if d.mmap_offset + d.size > file_size {
@@ -407,7 +412,11 @@ mod tests {
         let disk_file = tempfile::tempfile_in(target).unwrap();
         disk_file.set_len(4096).unwrap();
         let (fs, _) = sigbus::file_pages(disk_file.as_raw_fd()).unwrap();
-        assert_ne!(fs, sigbus::TMPFS_MAGIC, "the target dir is on tmpfs: cannot test");
+        assert_ne!(
+            fs,
+            sigbus::TMPFS_MAGIC,
+            "the target dir is on tmpfs: cannot test"
+        );
         let e = err(vec![(desc(0, 4096, 0, 0), disk_file)]);
         assert!(e.contains("not tmpfs, hugetlbfs or ramfs"), "{e}");
 

@@ -50,7 +50,10 @@ pub(crate) const RAMFS_MAGIC: i64 = 0x8584_58f6;
 pub(crate) fn system_page() -> usize {
     // SAFETY: sysconf has no preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(p).ok().filter(|p| p.is_power_of_two()).unwrap_or(4096)
+    usize::try_from(p)
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
 }
 
 /// The file system type and the page size of mappings of `fd`: the huge page size for a
@@ -288,7 +291,10 @@ mod tests {
         // SAFETY: memfd_create with a static name; closed below. Creating a hugetlb memfd
         // needs no reserved huge pages (mapping it would).
         let fd = unsafe {
-            libc::memfd_create(c"sigbus-hugetlb".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_HUGETLB)
+            libc::memfd_create(
+                c"sigbus-hugetlb".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_HUGETLB,
+            )
         };
         if fd >= 0 {
             let (kind, page) = file_pages(fd).unwrap();

@@ -50,7 +50,7 @@ fn script() -> String {
     format!(
         r#"
 dev=/dev/vda
-mark() {{ printf '%-4096s' "$1" | dd of=$dev bs=4096 seek={mark_block} count=1 oflag=direct,dsync 2>/dev/null; }}
+mark() {{ printf '%-4096s' "$1" | dd of=$dev bs=4096 seek={mark_block} count=1 iflag=fullblock oflag=direct conv=fsync 2>/dev/null; }}
 m=$(dd if=$dev bs=4096 skip={mark_block} count=1 iflag=direct 2>/dev/null | head -c 9)
 job="--filename=$dev --size={AREA} --direct=1 --ioengine=libaio --verify=crc32c"
 if [ "$m" != "VBLKBOOT1" ]; then
@@ -130,7 +130,10 @@ impl Nbdkit {
             .expect("start nbdkit");
         let t0 = Instant::now();
         while !sock.exists() {
-            assert!(t0.elapsed() < Duration::from_secs(20), "nbdkit did not listen");
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "nbdkit did not listen"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         Nbdkit { child, sock }
@@ -204,7 +207,10 @@ fn run(storage: Storage, drain_secs: Option<u64>) -> Option<String> {
     drop(nbd);
     let log = daemon.log_text();
     let mut problems = Vec::new();
-    if !boot.serial.contains("VBLK-PHASE resetting with writes held") {
+    if !boot
+        .serial
+        .contains("VBLK-PHASE resetting with writes held")
+    {
         problems.push("the first boot did not reach the reset".to_string());
     }
     if !boot.serial.contains("VBLK-PHASE second boot") {
