@@ -40,8 +40,10 @@ const MIB: u64 = 1 << 20;
 const DISK_BYTES: u64 = 64 * MIB;
 /// fio's area: the first 8 MiB.
 const AREA: u64 = 8 * MIB;
-/// How long a held write is held.
-const HOLD: Duration = Duration::from_secs(10);
+/// How long a held write is held. The first boot's fio fills its 16 slots with held
+/// writes within its first second; they must land after the rebooted guest has written
+/// (about 12 s later: 5 s of fio, the reset, 5 s of boot), so they are held for longer.
+const HOLD: Duration = Duration::from_secs(20);
 
 /// The guest's script: which boot it is comes from the marker in the last 4 KiB.
 fn script() -> String {
@@ -60,16 +62,17 @@ if [ "$m" != "VBLKBOOT1" ]; then
         --do_verify=0 --time_based --runtime=120 >/dev/null 2>&1 &
     sleep 5
     echo "VBLK-PHASE resetting with writes held"
+    sleep 1
     echo b > /proc/sysrq-trigger
     sleep 120
     echo "VBLK-PHASE the reset did not happen"
 else
     echo "VBLK-PHASE second boot"
     mark VBLKBOOT2
-    check write_after_reboot fio --name=after $job --rw=write --bs=64k --iodepth=16 \
+    check write_after_reboot fio --name=after $job --rw=write --bs=64k --iodepth=128 \
         --randseed=2 --do_verify=0
     sleep {hold}
-    check verify_after_reboot fio --name=after $job --rw=write --bs=64k --iodepth=16 \
+    check verify_after_reboot fio --name=after $job --rw=write --bs=64k --iodepth=128 \
         --randseed=2 --verify_only
 fi
 "#
@@ -118,8 +121,10 @@ impl Nbdkit {
         fs::write(&script, plugin(image)).unwrap();
         fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
         let sock = dir.join("nbd.sock");
+        // 64 threads: the first boot's held writes (16) must not keep the rebooted guest's
+        // requests from being served (nbdkit's default is 16 per connection).
         let child = Command::new("nbdkit")
-            .args(["-f", "-U"])
+            .args(["-f", "-t", "64", "-U"])
             .arg(&sock)
             .arg("sh")
             .arg(&script)
