@@ -44,6 +44,8 @@ enum Rx {
         piece: u32,
         got: u64,
         len: u64,
+        /// When the piece was wholly sent: its deadline runs until the payload is in.
+        sent: u32,
     },
 }
 
@@ -97,13 +99,26 @@ impl Conn {
         self.fd.as_ref().map_or(-1, |f| f.as_raw_fd())
     }
 
-    /// Sends what the socket takes. `Ok(true)` when the send queue is empty.
+    /// When the piece whose reply payload is being received was sent (its deadline runs
+    /// until the payload is in).
+    pub(crate) fn receiving(&self) -> Option<(u32, u32, u32)> {
+        match self.rx {
+            Rx::Header => None,
+            Rx::Payload {
+                slot, piece, sent, ..
+            } => Some((slot, piece, sent)),
+        }
+    }
+
+    /// Sends what the socket takes; a piece wholly sent is stamped `now_ms`. `Ok(true)`
+    /// when the send queue is empty.
     pub(crate) fn flush(
         &mut self,
         slots: &mut [Slot],
         zero: &[u8],
         iovs: &mut Vec<libc::iovec>,
         hdrs: &mut Vec<[u8; REQUEST_LEN]>,
+        now_ms: u32,
     ) -> Result<bool, Broken> {
         let fd = self.raw_fd();
         while !self.sendq.is_empty() {
@@ -127,7 +142,7 @@ impl Conn {
                 }
             }
             let n = n as u64;
-            self.advance(slots, n);
+            self.advance(slots, n, now_ms);
             if n < total {
                 return Ok(self.sendq.is_empty());
             }
@@ -191,8 +206,8 @@ impl Conn {
         total
     }
 
-    /// Accounts `n` bytes sent.
-    fn advance(&mut self, slots: &mut [Slot], mut n: u64) {
+    /// Accounts `n` bytes sent at `now_ms`.
+    fn advance(&mut self, slots: &mut [Slot], mut n: u64, now_ms: u32) {
         while let Some(&si) = self.sendq.front() {
             let s = &mut slots[si as usize];
             let size = REQUEST_LEN as u64 + s.payload(s.next);
@@ -203,6 +218,7 @@ impl Conn {
             }
             n -= left;
             s.sent = 0;
+            s.mark_sent(s.next, now_ms);
             s.next += 1;
             if self.waiting == 0 {
                 self.last_rx = Instant::now();
@@ -263,8 +279,9 @@ impl Conn {
                     piece,
                     mut got,
                     len,
+                    sent,
                 } => {
-                    let s = slots[slot as usize];
+                    let s = &slots[slot as usize];
                     if !s.busy || s.gen != gen {
                         // Cannot happen: only this connection's replies change the slot.
                         return Err(format!(
@@ -310,6 +327,7 @@ impl Conn {
                                 piece,
                                 got,
                                 len,
+                                sent,
                             };
                             return Ok(());
                         };
@@ -328,6 +346,7 @@ impl Conn {
                             piece,
                             got,
                             len,
+                            sent,
                         };
                     }
                 }
@@ -366,6 +385,8 @@ impl Conn {
             .ok_or(Stray::Idle)
             .map_err(stray)?;
         let reopened = s.claim(gen, piece).map_err(stray)?;
+        // Kept for the payload: a piece sent after this reply may take its place.
+        let sent = s.sent_time(piece);
         if reopened {
             self.sendq.push_back(si);
         }
@@ -386,6 +407,7 @@ impl Conn {
                     piece,
                     got: 0,
                     len,
+                    sent,
                 };
                 return Ok(());
             }

@@ -25,8 +25,8 @@ const OPT_GO: u32 = 7;
 const REP_ACK: u32 = 1;
 const REP_INFO: u32 = 3;
 const REP_ERR_UNSUP: u32 = (1 << 31) | 1;
-const CMD_READ: u16 = 0;
-const CMD_WRITE: u16 = 1;
+pub const CMD_READ: u16 = 0;
+pub const CMD_WRITE: u16 = 1;
 const CMD_DISC: u16 = 2;
 /// `NBD_FLAG_HAS_FLAGS` only: no FLUSH, FUA, TRIM or multi-conn.
 const TRANSMISSION_FLAGS: u16 = 1;
@@ -189,6 +189,11 @@ impl Session {
         b.extend_from_slice(&cookie.to_be_bytes());
         b.extend_from_slice(payload);
         self.send(&b)
+    }
+
+    /// Sends `b` as it is (a reply's payload after its header, say).
+    pub fn send_raw(&mut self, b: &[u8]) -> io::Result<()> {
+        self.send(b)
     }
 
     /// Does `r` and answers it.
