@@ -61,6 +61,9 @@ pub(crate) struct Conn {
     pub waiting: usize,
     /// When bytes last arrived (or the connection last went from idle to waiting).
     pub last_rx: Instant,
+    /// Since when the piece at the head of the send queue has waited for the socket to
+    /// take it (None: nothing is left unsent in the last `flush`).
+    pub send_since: Option<Instant>,
     /// EPOLLOUT is being watched.
     pub want_out: bool,
     rx: Rx,
@@ -76,6 +79,7 @@ impl Conn {
             sendq: std::collections::VecDeque::with_capacity(depth),
             waiting: 0,
             last_rx: Instant::now(),
+            send_since: None,
             want_out: false,
             rx: Rx::Header,
             rbuf: Box::new([0u8; RBUF]),
@@ -88,6 +92,7 @@ impl Conn {
     pub(crate) fn attach(&mut self, fd: OwnedFd) {
         self.fd = Some(fd);
         self.waiting = 0;
+        self.send_since = None;
         self.want_out = false;
         self.rx = Rx::Header;
         self.rhead = 0;
@@ -113,6 +118,25 @@ impl Conn {
     /// Sends what the socket takes; a piece wholly sent is stamped `now_ms`. `Ok(true)`
     /// when the send queue is empty.
     pub(crate) fn flush(
+        &mut self,
+        slots: &mut [Slot],
+        zero: &[u8],
+        iovs: &mut Vec<libc::iovec>,
+        hdrs: &mut Vec<[u8; REQUEST_LEN]>,
+        now: Instant,
+        now_ms: u32,
+    ) -> Result<bool, Broken> {
+        let empty = self.send(slots, zero, iovs, hdrs, now_ms)?;
+        if empty {
+            self.send_since = None;
+        } else {
+            self.send_since.get_or_insert(now);
+        }
+        Ok(empty)
+    }
+
+    /// `flush` without the clock of the head piece.
+    fn send(
         &mut self,
         slots: &mut [Slot],
         zero: &[u8],
@@ -220,6 +244,8 @@ impl Conn {
             s.sent = 0;
             s.mark_sent(s.next, now_ms);
             s.next += 1;
+            // The next piece's wait for the socket starts now.
+            self.send_since = None;
             if self.waiting == 0 {
                 self.last_rx = Instant::now();
             }

@@ -1,6 +1,6 @@
 //! Deadlines on a connection that is up: every wait on the server ends within
 //! [`NbdOptions::timeout`](super::NbdOptions), or the connection is broken (its operations
-//! are held and replayed, see `reconnect`). Two rules, checked by the engine's timer
+//! are held and replayed, see `reconnect`). Three rules, checked by the engine's timer
 //! (every 100 ms while anything waits):
 //!
 //! - **Each request is answered within the timeout of being wholly sent**: its reply
@@ -9,14 +9,17 @@
 //!   connection, and once it has been held for the reconnect window
 //!   ([`NbdOptions::reconnect`](super::NbdOptions)) it fails with `EIO`, even while other
 //!   operations complete.
+//! - **A request is wholly sent within the timeout of reaching the head of the send
+//!   queue with the socket full**: a server that stops reading (or reads a byte now and
+//!   then) cannot hold a request that was never wholly sent.
 //! - **A silent server**: no byte received for the timeout while replies are awaited.
 //!
-//! The trade-off: one request that legitimately takes longer than the timeout to be
-//! answered (a 32 MiB write to a very slow server) is broken off and replayed, and fails
-//! after the reconnect window; such servers need a larger timeout (`--nbd-timeout-secs`).
-//! A request waiting in the send queue behind others is not timed; one in the socket
-//! buffer, unread by a busy server, is timed from when it was wholly sent into the
-//! socket.
+//! The trade-off: one request that legitimately takes longer than the timeout to be sent
+//! or answered (a 32 MiB write to a very slow server, or over a slow link) is broken off
+//! and replayed, and fails after the reconnect window; such servers need a larger
+//! timeout (`--nbd-timeout-secs`). A request waiting in the send queue behind others, or
+//! in the socket buffer unread by a busy server, is timed from when it was wholly sent
+//! into the socket.
 //!
 //! Cost: nothing per request but a 32-bit timestamp written when a piece is wholly sent
 //! (`Slot::sent_at`: the pieces of one slot are sent in order, so piece `base` is the
@@ -84,6 +87,17 @@ impl NbdEngine {
                     "no reply for {} s ({} requests waiting)",
                     timeout.as_secs_f64(),
                     conn.waiting
+                );
+                self.broke(c, why, now);
+            } else if let Some(since) = conn
+                .send_since
+                .filter(|&t| now.duration_since(t) >= timeout)
+            {
+                let why = format!(
+                    "the server took no whole request for {:.1} s (the socket stayed full; \
+                     the limit is {} s)",
+                    now.duration_since(since).as_secs_f64(),
+                    timeout.as_secs_f64()
                 );
                 self.broke(c, why, now);
             }

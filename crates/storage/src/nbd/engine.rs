@@ -375,6 +375,7 @@ impl NbdEngine {
             &self.zero,
             &mut self.iovs,
             &mut self.hdrs,
+            now,
             now_ms,
         ) {
             Ok(empty) => {
@@ -392,6 +393,8 @@ impl NbdEngine {
                 }
                 if self.conns[c].waiting > 0 {
                     self.sent_now(now);
+                }
+                if self.conns[c].waiting > 0 || !empty {
                     self.ensure_ticking(now);
                 }
             }

@@ -8,7 +8,7 @@
 //! | `handshake` | connecting, and the fixed newstyle handshake (`NBD_OPT_GO`, falling back to `NBD_OPT_EXPORT_NAME`), blocking with one deadline for the name lookup, the connect and the handshake |
 //! | `slots` | one operation in flight: its pieces (requests of at most the server's largest payload), their geometry over the caller's iovecs, and exact reply accounting (cookies with a use counter, each piece answered once) |
 //! | `conn` | one connection in transmission: the send queue (`sendmsg` gathering headers and write payloads straight from the iovecs), the receive state machine (`readv` scattering read payloads straight into the iovecs), the times the deadlines read |
-//! | `deadline` | every wait on a connection up ends: each request answered within the timeout of being sent, a silent server |
+//! | `deadline` | every wait on a connection up ends: each request answered within the timeout of being sent, sent within the timeout of the socket filling, a silent server |
 //! | `sys` | the engine's epoll set, timerfd and non-blocking sockets |
 //! | `dial` | reconnection attempts on a helper thread, handing back a ready socket |
 //! | `reconnect` | a connection's life: breaks, held operations, reconnection, and when to give up |
@@ -51,8 +51,9 @@ pub struct NbdOptions {
     /// and no operation is held longer than this after the first break that caught it.
     pub reconnect: Duration,
     /// The deadline of every wait on the server. A request not answered this long after
-    /// it was wholly sent (its reply, and a read's payload, all in), or no byte at all for
-    /// this long while replies are awaited, breaks the connection: its operations are held and replayed as after any
+    /// it was wholly sent (its reply, and a read's payload, all in), a request the socket
+    /// would not take for this long, or no byte at all for this long while replies are
+    /// awaited, breaks the connection: its operations are held and replayed as after any
     /// break, and fail with `EIO` after the `reconnect` window. So one request that
     /// legitimately takes longer than this (a 32 MiB write to a very slow server) is
     /// retried and then fails: raise the timeout for such servers. It is also the limit of

@@ -4,8 +4,8 @@
 //! - **A break** — the server hung up, a send or receive failed, a reply broke the
 //!   protocol (see `slots`: a reply that matches no request awaiting one), or a wait on
 //!   the server passed its deadline (see `deadline`: a request unanswered for
-//!   [`NbdOptions::timeout`](super::NbdOptions) after it was sent, or no byte at all
-//!   while replies were awaited) — closes
+//!   [`NbdOptions::timeout`](super::NbdOptions) after it was sent, one the socket would
+//!   not take for as long, or no byte at all while replies were awaited) — closes
 //!   the socket and holds the connection's operations, to replay them from their first
 //!   piece on a new connection with new cookies. Reads and writes are idempotent, and a
 //!   write is completed only by its reply, so nothing acknowledged is lost.

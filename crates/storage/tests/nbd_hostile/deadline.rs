@@ -1,8 +1,10 @@
 //! Per-request deadlines: a server that answers everything but one request (a piece of a
-//! write, or a read), or that trickles one read's payload; each fails that operation with EIO in about the timeout plus the reconnect window,
+//! write, or a read), that trickles one read's payload, or that stops reading a request;
+//! each fails that operation with EIO in about the timeout plus the reconnect window,
 //! while other operations complete. And the control: a server slow to answer, but within
 //! the timeout, keeps its connection.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -206,6 +208,47 @@ fn a_read_reply_whose_payload_trickles_fails() {
         took >= secs(TIMEOUT + RECONNECT - 0.2) && took < secs(12.0),
         "failed after {took:?}"
     );
+}
+
+#[test]
+fn a_request_the_server_stops_reading_fails() {
+    // One 1 MiB write is one request, larger than a Unix socket's buffer.
+    let ex = Export {
+        size: 4 << 20,
+        max_payload: 1 << 20,
+    };
+    let done = Arc::new(AtomicBool::new(false));
+    let d = done.clone();
+    let s = Server::unix(ex, move |s| {
+        if !greet(s) {
+            return;
+        }
+        if s.n == 0 {
+            return s.honest();
+        }
+        // Read nothing more.
+        let start = Instant::now();
+        while !d.load(Ordering::Acquire) && start.elapsed() < secs(30.0) {
+            std::thread::sleep(secs(0.02));
+        }
+    });
+    let b = open_uri(s.uri(), &opts(TIMEOUT, RECONNECT)).unwrap();
+    let (r, took, dropped) = within(secs(25.0), "the unread write", move || {
+        let mut e = engine(&b, 4);
+        let t = Instant::now();
+        let r = write(&mut *e, 0, &pattern(1 << 20, 8));
+        let took = t.elapsed();
+        let t = Instant::now();
+        drop(e);
+        (r, took, t.elapsed())
+    });
+    done.store(true, Ordering::Release);
+    assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EIO));
+    assert!(
+        took >= secs(TIMEOUT + RECONNECT - 0.2) && took < secs(12.0),
+        "failed after {took:?}"
+    );
+    assert!(dropped < secs(1.0), "drop took {dropped:?}");
 }
 
 #[test]
