@@ -114,26 +114,45 @@ pub enum NbdError {
     /// The server broke the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
-    /// No export of that name.
+    /// No export of that name: the server answered `NBD_OPT_GO` with
+    /// `NBD_REP_ERR_UNKNOWN` and does not list the name among its exports.
     #[error(
-        "server offers no export named '{name}' (exports: {})",
-        list_names(exports)
+        "server offers no export named '{}' (exports: {}): it answered NBD_OPT_GO with \
+         NBD_REP_ERR_UNKNOWN{}",
+        printable(name),
+        list_names(exports),
+        said(message)
     )]
     NoExport {
         /// The name asked for.
         name: String,
-        /// What the server lists.
+        /// What the server lists (empty when it lists nothing, or will not list).
         exports: Vec<String>,
-    },
-    /// The server refused an option.
-    #[error("server refused {option}: {reply}{}", if message.is_empty() { String::new() } else { format!(": {message}") })]
-    Refused {
-        /// The option.
-        option: &'static str,
-        /// The error reply's name.
-        reply: String,
-        /// The server's message.
+        /// The server's message (empty: none).
         message: String,
+    },
+    /// The server answered `NBD_OPT_GO` with an error: any error but
+    /// `NBD_REP_ERR_UNKNOWN`, or that one for an export the server lists (nbdkit answers
+    /// so when its plugin fails to open the export).
+    #[error(
+        "server answered NBD_OPT_GO for export '{}' with {reply}{}{}",
+        printable(export),
+        said(message),
+        listed.as_deref().map_or(String::new(), |l| format!(
+            ", though it lists that export (exports: {}): it failed to open it, and its \
+             log should say why",
+            list_names(l)
+        ))
+    )]
+    GoRefused {
+        /// The name asked for.
+        export: String,
+        /// The error reply's name (`NBD_REP_ERR_*`, or its number).
+        reply: String,
+        /// The server's message (empty: none).
+        message: String,
+        /// With `NBD_REP_ERR_UNKNOWN`: what the server lists, which names the export.
+        listed: Option<Vec<String>>,
     },
     /// A read-only export opened for writing.
     #[error(
@@ -175,11 +194,39 @@ fn list_names(names: &[String]) -> String {
             if n.is_empty() {
                 "'' (default)".to_owned()
             } else {
-                n.clone()
+                printable(n)
             }
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// A server's message, quoted, after its error's name ("(no message)" when it sent none).
+fn said(message: &str) -> String {
+    if message.is_empty() {
+        " (no message)".into()
+    } else {
+        format!(": \"{}\"", printable(message))
+    }
+}
+
+/// A string from the server, fit for a log line: control characters escaped, at most 256
+/// characters (NBD asks servers to keep strings that short).
+fn printable(s: &str) -> String {
+    const MAX: usize = 256;
+    let mut out = String::with_capacity(s.len().min(MAX));
+    for (i, c) in s.chars().enumerate() {
+        if i == MAX {
+            out.push_str("...");
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// An opened NBD export, held by its [`Backend`](crate::Backend).
