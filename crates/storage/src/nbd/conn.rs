@@ -44,6 +44,8 @@ enum Rx {
         piece: u32,
         got: u64,
         len: u64,
+        /// When the piece was wholly sent: its deadline runs until the payload is in.
+        sent: u32,
     },
 }
 
@@ -59,6 +61,9 @@ pub(crate) struct Conn {
     pub waiting: usize,
     /// When bytes last arrived (or the connection last went from idle to waiting).
     pub last_rx: Instant,
+    /// Since when the piece at the head of the send queue has waited for the socket to
+    /// take it (None: nothing is left unsent in the last `flush`).
+    pub send_since: Option<Instant>,
     /// EPOLLOUT is being watched.
     pub want_out: bool,
     rx: Rx,
@@ -74,6 +79,7 @@ impl Conn {
             sendq: std::collections::VecDeque::with_capacity(depth),
             waiting: 0,
             last_rx: Instant::now(),
+            send_since: None,
             want_out: false,
             rx: Rx::Header,
             rbuf: Box::new([0u8; RBUF]),
@@ -86,6 +92,7 @@ impl Conn {
     pub(crate) fn attach(&mut self, fd: OwnedFd) {
         self.fd = Some(fd);
         self.waiting = 0;
+        self.send_since = None;
         self.want_out = false;
         self.rx = Rx::Header;
         self.rhead = 0;
@@ -97,13 +104,45 @@ impl Conn {
         self.fd.as_ref().map_or(-1, |f| f.as_raw_fd())
     }
 
-    /// Sends what the socket takes. `Ok(true)` when the send queue is empty.
+    /// When the piece whose reply payload is being received was sent (its deadline runs
+    /// until the payload is in).
+    pub(crate) fn receiving(&self) -> Option<(u32, u32, u32)> {
+        match self.rx {
+            Rx::Header => None,
+            Rx::Payload {
+                slot, piece, sent, ..
+            } => Some((slot, piece, sent)),
+        }
+    }
+
+    /// Sends what the socket takes; a piece wholly sent is stamped `now_ms`. `Ok(true)`
+    /// when the send queue is empty.
     pub(crate) fn flush(
         &mut self,
         slots: &mut [Slot],
         zero: &[u8],
         iovs: &mut Vec<libc::iovec>,
         hdrs: &mut Vec<[u8; REQUEST_LEN]>,
+        now: Instant,
+        now_ms: u32,
+    ) -> Result<bool, Broken> {
+        let empty = self.send(slots, zero, iovs, hdrs, now_ms)?;
+        if empty {
+            self.send_since = None;
+        } else {
+            self.send_since.get_or_insert(now);
+        }
+        Ok(empty)
+    }
+
+    /// `flush` without the clock of the head piece.
+    fn send(
+        &mut self,
+        slots: &mut [Slot],
+        zero: &[u8],
+        iovs: &mut Vec<libc::iovec>,
+        hdrs: &mut Vec<[u8; REQUEST_LEN]>,
+        now_ms: u32,
     ) -> Result<bool, Broken> {
         let fd = self.raw_fd();
         while !self.sendq.is_empty() {
@@ -127,7 +166,7 @@ impl Conn {
                 }
             }
             let n = n as u64;
-            self.advance(slots, n);
+            self.advance(slots, n, now_ms);
             if n < total {
                 return Ok(self.sendq.is_empty());
             }
@@ -191,8 +230,8 @@ impl Conn {
         total
     }
 
-    /// Accounts `n` bytes sent.
-    fn advance(&mut self, slots: &mut [Slot], mut n: u64) {
+    /// Accounts `n` bytes sent at `now_ms`.
+    fn advance(&mut self, slots: &mut [Slot], mut n: u64, now_ms: u32) {
         while let Some(&si) = self.sendq.front() {
             let s = &mut slots[si as usize];
             let size = REQUEST_LEN as u64 + s.payload(s.next);
@@ -203,7 +242,10 @@ impl Conn {
             }
             n -= left;
             s.sent = 0;
+            s.mark_sent(s.next, now_ms);
             s.next += 1;
+            // The next piece's wait for the socket starts now.
+            self.send_since = None;
             if self.waiting == 0 {
                 self.last_rx = Instant::now();
             }
@@ -263,8 +305,9 @@ impl Conn {
                     piece,
                     mut got,
                     len,
+                    sent,
                 } => {
-                    let s = slots[slot as usize];
+                    let s = &slots[slot as usize];
                     if !s.busy || s.gen != gen {
                         // Cannot happen: only this connection's replies change the slot.
                         return Err(format!(
@@ -310,6 +353,7 @@ impl Conn {
                                 piece,
                                 got,
                                 len,
+                                sent,
                             };
                             return Ok(());
                         };
@@ -328,6 +372,7 @@ impl Conn {
                             piece,
                             got,
                             len,
+                            sent,
                         };
                     }
                 }
@@ -366,6 +411,8 @@ impl Conn {
             .ok_or(Stray::Idle)
             .map_err(stray)?;
         let reopened = s.claim(gen, piece).map_err(stray)?;
+        // Kept for the payload: a piece sent after this reply may take its place.
+        let sent = s.sent_time(piece);
         if reopened {
             self.sendq.push_back(si);
         }
@@ -386,6 +433,7 @@ impl Conn {
                     piece,
                     got: 0,
                     len,
+                    sent,
                 };
                 return Ok(());
             }

@@ -10,8 +10,9 @@
 //! writable, while a send is unfinished), a timerfd that ticks while anything waits for
 //! the server, and an eventfd that a reconnection attempt's thread writes when it is done.
 //! A worker sleeping on it wakes for replies, for a socket that drains, for a new
-//! connection, and for the ticks that detect a silent server and pace reconnection — it
-//! never spins, and never blocks on a server (see `reconnect` for breaks and replays).
+//! connection, and for the ticks that keep the deadlines (`deadline`) and pace
+//! reconnection — it never spins, and never blocks on a server (see `reconnect` for breaks
+//! and replays).
 //!
 //! Dropping the engine waits for the operations in flight (their buffers are lent to it)
 //! for at most [`NbdOptions::timeout`](super::NbdOptions), then sends a FLUSH if anything
@@ -28,6 +29,7 @@ use std::time::{Duration, Instant};
 use log::error;
 
 use super::conn::{disconnect, Conn, HDRS_MAX, IOV_MAX};
+use super::deadline::{Clock, Oldest};
 use super::dial;
 use super::reconnect::{Life, State};
 use super::slots::Slot;
@@ -68,6 +70,12 @@ pub(crate) struct NbdEngine {
     pub(super) wake: Arc<OwnedFd>,
     /// When the timer fires next (None: disarmed).
     pub(super) tick_at: Option<Instant>,
+    /// Send times of pieces, and the per-request deadline.
+    pub(super) clock: Clock,
+    /// No request awaiting a reply is past its deadline before this (None: none awaits).
+    pub(super) due: Option<Instant>,
+    /// Each connection's oldest request awaiting a reply (scratch of `deadline`).
+    pub(super) oldest: Vec<Option<Oldest>>,
     iovs: Vec<libc::iovec>,
     hdrs: Vec<[u8; REQUEST_LEN]>,
     rscratch: Vec<libc::iovec>,
@@ -141,6 +149,9 @@ impl NbdEngine {
             timer,
             wake: Arc::new(wake),
             tick_at: None,
+            clock: Clock::new(ex.opts.timeout),
+            due: None,
+            oldest: Vec::with_capacity(n),
             iovs: Vec::with_capacity(IOV_MAX),
             hdrs: Vec::with_capacity(HDRS_MAX),
             rscratch: Vec::with_capacity(IOV_MAX),
@@ -358,7 +369,15 @@ impl NbdEngine {
             return;
         }
         let conn = &mut self.conns[c];
-        match conn.flush(&mut self.slots, &self.zero, &mut self.iovs, &mut self.hdrs) {
+        let now_ms = self.clock.ms(now);
+        match conn.flush(
+            &mut self.slots,
+            &self.zero,
+            &mut self.iovs,
+            &mut self.hdrs,
+            now,
+            now_ms,
+        ) {
             Ok(empty) => {
                 if empty == conn.want_out {
                     let events =
@@ -373,6 +392,9 @@ impl NbdEngine {
                     }
                 }
                 if self.conns[c].waiting > 0 {
+                    self.sent_now(now);
+                }
+                if self.conns[c].waiting > 0 || !empty {
                     self.ensure_ticking(now);
                 }
             }
@@ -380,14 +402,13 @@ impl NbdEngine {
         }
     }
 
-    /// Sends, receives and keeps time: everything but handing out completions.
+    /// Sends, receives and keeps time: everything but handing out completions. Replies
+    /// already in a socket are taken before the deadlines are looked at, so a worker late
+    /// to reap does not hold a prompt server to be late.
     fn progress(&mut self) {
         let now = Instant::now();
         if self.dialing > 0 {
             self.dialed_any(now);
-        }
-        if self.tick_at.is_some_and(|t| now >= t) {
-            self.tick(now);
         }
         for c in 0..self.conns.len() {
             if !matches!(self.lives[c].state, State::Up) {
@@ -418,6 +439,9 @@ impl NbdEngine {
             if !self.conns[c].sendq.is_empty() && !self.conns[c].want_out {
                 self.flush_conn(c, now);
             }
+        }
+        if self.tick_at.is_some_and(|t| now >= t) {
+            self.tick(now);
         }
     }
 }

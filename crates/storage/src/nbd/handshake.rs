@@ -1,7 +1,10 @@
 //! Connecting and the fixed newstyle handshake: `NBD_OPT_GO` asking for
 //! `NBD_INFO_BLOCK_SIZE`, falling back to `NBD_OPT_EXPORT_NAME` when the server does not
-//! know GO (or is not fixed newstyle). An unknown export is named with the server's list of
-//! exports (`NBD_OPT_LIST`). Only simple replies are negotiated.
+//! know GO (or is not fixed newstyle). Any other error answer to GO is reported by its
+//! `NBD_REP_ERR_*` name and the server's message; with `NBD_REP_ERR_UNKNOWN` the server's
+//! list of exports (`NBD_OPT_LIST`) is asked for too, and the export is said to be missing
+//! only when the list does not name it (nbdkit answers UNKNOWN when its plugin fails to
+//! open an export it lists). Only simple replies are negotiated.
 //!
 //! A connection attempt is blocking code with one deadline for all of it: the name lookup
 //! (on a helper thread, since `getaddrinfo` cannot be interrupted: past the deadline the
@@ -441,22 +444,7 @@ fn go<S: Read + Write>(f: &mut S, export: &str) -> Result<Option<ExportInfo>, Nb
                 return Err(NbdError::Protocol("empty NBD_REP_INFO".into()));
             }
             REP_ERR_UNSUP => return Ok(None),
-            REP_ERR_UNKNOWN => {
-                let exports = list(f).unwrap_or_default();
-                let _ = send_option(f, OPT_ABORT, &[]);
-                return Err(NbdError::NoExport {
-                    name: export.to_owned(),
-                    exports,
-                });
-            }
-            rep if rep & REP_FLAG_ERROR != 0 => {
-                let _ = send_option(f, OPT_ABORT, &[]);
-                return Err(NbdError::Refused {
-                    option: "NBD_OPT_GO",
-                    reply: rep_name(rep),
-                    message: String::from_utf8_lossy(&data).into_owned(),
-                });
-            }
+            rep if rep & REP_FLAG_ERROR != 0 => return Err(refused(f, export, rep, &data)),
             other => {
                 return Err(NbdError::Protocol(format!(
                     "unexpected reply type {other:#x} to NBD_OPT_GO"
@@ -480,7 +468,45 @@ fn go<S: Read + Write>(f: &mut S, export: &str) -> Result<Option<ExportInfo>, Nb
     }))
 }
 
-/// `NBD_OPT_LIST`: the names of the server's exports.
+/// The error for an error reply `rep` (with `data`) to `NBD_OPT_GO` for `export`. Only
+/// `NBD_REP_ERR_UNKNOWN` means "no such export", and only when the server's list does
+/// not name it: nbdkit answers so for an export it lists when its plugin fails to open it.
+fn refused<S: Read + Write>(f: &mut S, export: &str, rep: u32, data: &[u8]) -> NbdError {
+    let message = String::from_utf8_lossy(data).into_owned();
+    let exports = if rep == REP_ERR_UNKNOWN {
+        list(f).ok()
+    } else {
+        None
+    };
+    let _ = send_option(f, OPT_ABORT, &[]);
+    match exports {
+        Some(l) if l.iter().any(|n| n == export) => NbdError::GoRefused {
+            export: export.to_owned(),
+            reply: rep_name(rep),
+            message,
+            listed: Some(l),
+        },
+        Some(l) => NbdError::NoExport {
+            name: export.to_owned(),
+            exports: l,
+            message,
+        },
+        None if rep == REP_ERR_UNKNOWN => NbdError::NoExport {
+            name: export.to_owned(),
+            exports: Vec::new(),
+            message,
+        },
+        None => NbdError::GoRefused {
+            export: export.to_owned(),
+            reply: rep_name(rep),
+            message,
+            listed: None,
+        },
+    }
+}
+
+/// `NBD_OPT_LIST`: the names of the server's exports (as far as it lists them: an error
+/// reply ends the list).
 fn list<S: Read + Write>(f: &mut S) -> Result<Vec<String>, NbdError> {
     send_option(f, OPT_LIST, &[])?;
     let mut names = Vec::new();

@@ -7,7 +7,8 @@
 //! | `wire` | magics, flags, commands, the request header and the simple reply |
 //! | `handshake` | connecting, and the fixed newstyle handshake (`NBD_OPT_GO`, falling back to `NBD_OPT_EXPORT_NAME`), blocking with one deadline for the name lookup, the connect and the handshake |
 //! | `slots` | one operation in flight: its pieces (requests of at most the server's largest payload), their geometry over the caller's iovecs, and exact reply accounting (cookies with a use counter, each piece answered once) |
-//! | `conn` | one connection in transmission: the send queue (`sendmsg` gathering headers and write payloads straight from the iovecs), the receive state machine (`readv` scattering read payloads straight into the iovecs), timeouts |
+//! | `conn` | one connection in transmission: the send queue (`sendmsg` gathering headers and write payloads straight from the iovecs), the receive state machine (`readv` scattering read payloads straight into the iovecs), the times the deadlines read |
+//! | `deadline` | every wait on a connection up ends: each request answered within the timeout of being sent, sent within the timeout of the socket filling, a silent server |
 //! | `sys` | the engine's epoll set, timerfd and non-blocking sockets |
 //! | `dial` | reconnection attempts on a helper thread, handing back a ready socket |
 //! | `reconnect` | a connection's life: breaks, held operations, reconnection, and when to give up |
@@ -19,6 +20,7 @@
 //! shared between device workers.
 
 mod conn;
+mod deadline;
 mod dial;
 mod engine;
 mod handshake;
@@ -48,10 +50,15 @@ pub struct NbdOptions {
     /// accepts connections and breaks the protocol again and again does not restart it;
     /// and no operation is held longer than this after the first break that caught it.
     pub reconnect: Duration,
-    /// A request with no reply (and no byte received) for this long means the connection
-    /// is dead. It is also the limit of one connection attempt as a whole (name lookup,
-    /// connect and handshake), and how long dropping an engine waits for the operations
-    /// in flight before abandoning them.
+    /// The deadline of every wait on the server. A request not answered this long after
+    /// it was wholly sent (its reply, and a read's payload, all in), a request the socket
+    /// would not take for this long, or no byte at all for this long while replies are
+    /// awaited, breaks the connection: its operations are held and replayed as after any
+    /// break, and fail with `EIO` after the `reconnect` window. So one request that
+    /// legitimately takes longer than this (a 32 MiB write to a very slow server) is
+    /// retried and then fails: raise the timeout for such servers. It is also the limit of
+    /// one connection attempt as a whole (name lookup, connect and handshake), and how
+    /// long dropping an engine waits for the operations in flight before abandoning them.
     pub timeout: Duration,
     /// Connections per engine when the server offers multi-conn (1 otherwise).
     pub conns: u32,
@@ -107,26 +114,45 @@ pub enum NbdError {
     /// The server broke the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
-    /// No export of that name.
+    /// No export of that name: the server answered `NBD_OPT_GO` with
+    /// `NBD_REP_ERR_UNKNOWN` and does not list the name among its exports.
     #[error(
-        "server offers no export named '{name}' (exports: {})",
-        list_names(exports)
+        "server offers no export named '{}' (exports: {}): it answered NBD_OPT_GO with \
+         NBD_REP_ERR_UNKNOWN{}",
+        printable(name),
+        list_names(exports),
+        said(message)
     )]
     NoExport {
         /// The name asked for.
         name: String,
-        /// What the server lists.
+        /// What the server lists (empty when it lists nothing, or will not list).
         exports: Vec<String>,
-    },
-    /// The server refused an option.
-    #[error("server refused {option}: {reply}{}", if message.is_empty() { String::new() } else { format!(": {message}") })]
-    Refused {
-        /// The option.
-        option: &'static str,
-        /// The error reply's name.
-        reply: String,
-        /// The server's message.
+        /// The server's message (empty: none).
         message: String,
+    },
+    /// The server answered `NBD_OPT_GO` with an error: any error but
+    /// `NBD_REP_ERR_UNKNOWN`, or that one for an export the server lists (nbdkit answers
+    /// so when its plugin fails to open the export).
+    #[error(
+        "server answered NBD_OPT_GO for export '{}' with {reply}{}{}",
+        printable(export),
+        said(message),
+        listed.as_deref().map_or(String::new(), |l| format!(
+            ", though it lists that export (exports: {}): it failed to open it, and its \
+             log should say why",
+            list_names(l)
+        ))
+    )]
+    GoRefused {
+        /// The name asked for.
+        export: String,
+        /// The error reply's name (`NBD_REP_ERR_*`, or its number).
+        reply: String,
+        /// The server's message (empty: none).
+        message: String,
+        /// With `NBD_REP_ERR_UNKNOWN`: what the server lists, which names the export.
+        listed: Option<Vec<String>>,
     },
     /// A read-only export opened for writing.
     #[error(
@@ -168,11 +194,39 @@ fn list_names(names: &[String]) -> String {
             if n.is_empty() {
                 "'' (default)".to_owned()
             } else {
-                n.clone()
+                printable(n)
             }
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// A server's message, quoted, after its error's name ("(no message)" when it sent none).
+fn said(message: &str) -> String {
+    if message.is_empty() {
+        " (no message)".into()
+    } else {
+        format!(": \"{}\"", printable(message))
+    }
+}
+
+/// A string from the server, fit for a log line: control characters escaped, at most 256
+/// characters (NBD asks servers to keep strings that short).
+fn printable(s: &str) -> String {
+    const MAX: usize = 256;
+    let mut out = String::with_capacity(s.len().min(MAX));
+    for (i, c) in s.chars().enumerate() {
+        if i == MAX {
+            out.push_str("...");
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// An opened NBD export, held by its [`Backend`](crate::Backend).

@@ -2,8 +2,10 @@
 //! operations it carried, and when the engine gives up on them.
 //!
 //! - **A break** — the server hung up, a send or receive failed, a reply broke the
-//!   protocol (see `slots`: a reply that matches no request awaiting one), or no byte came
-//!   for [`NbdOptions::timeout`](super::NbdOptions) while replies were awaited — closes
+//!   protocol (see `slots`: a reply that matches no request awaiting one), or a wait on
+//!   the server passed its deadline (see `deadline`: a request unanswered for
+//!   [`NbdOptions::timeout`](super::NbdOptions) after it was sent, one the socket would
+//!   not take for as long, or no byte at all while replies were awaited) — closes
 //!   the socket and holds the connection's operations, to replay them from their first
 //!   piece on a new connection with new cookies. Reads and writes are idempotent, and a
 //!   write is completed only by its reply, so nothing acknowledged is lost.
@@ -99,35 +101,27 @@ impl Life {
 }
 
 impl NbdEngine {
-    /// The timer fired: silent servers, reconnection, re-arming.
+    /// The timer fired: deadlines (`deadline`), reconnection, re-arming.
     pub(super) fn tick(&mut self, now: Instant) {
         let mut buf = [0u8; 8];
         // SAFETY: reads at most 8 bytes into a live local; the timerfd is non-blocking.
         unsafe { libc::read(self.timer.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
         self.tick_at = None;
-        let timeout = self.ex.opts.timeout;
+        self.deadlines(now);
         for c in 0..self.conns.len() {
             match self.lives[c].state {
-                State::Up => {
-                    let conn = &self.conns[c];
-                    if conn.waiting > 0 && now.duration_since(conn.last_rx) >= timeout {
-                        let why = format!(
-                            "no reply for {} s ({} requests waiting)",
-                            timeout.as_secs_f64(),
-                            conn.waiting
-                        );
-                        self.broke(c, why, now);
-                    }
-                }
                 State::Down { next_try, .. } if now >= next_try => self.dial(c, now),
-                State::Down { .. } => {}
                 State::Failed { .. } => self.retry_failed(c, now),
+                State::Up | State::Down { .. } => {}
             }
         }
         let mut next: Option<Instant> = None;
         for c in 0..self.conns.len() {
+            let conn = &self.conns[c];
             let at = match self.lives[c].state {
-                State::Up if self.conns[c].waiting > 0 || !self.conns[c].sendq.is_empty() => {
+                State::Up
+                    if conn.waiting > 0 || !conn.sendq.is_empty() || conn.receiving().is_some() =>
+                {
                     Some(now + TICK)
                 }
                 // An attempt under way wakes the engine when it ends.

@@ -19,6 +19,10 @@
 //!
 //! A reply is accepted only for a piece of the slot's current use with
 //! `base <= piece < next` and its bit clear; anything else is a protocol violation.
+//!
+//! Each piece of the window keeps the time it was wholly sent (`sent_at`, by piece modulo
+//! [`WINDOW`]): piece `base` is the oldest awaiting a reply, so its time is what the
+//! per-request deadline (`deadline`) looks at.
 
 use std::time::Instant;
 
@@ -102,6 +106,9 @@ pub(crate) struct Slot {
     /// When a broken connection first caught the operation (it is replayed until then
     /// plus the reconnect window).
     pub held: Option<Instant>,
+    /// When piece `p` was wholly sent, at `p % WINDOW` (the engine's clock, in ms); valid
+    /// for the pieces `base .. next`.
+    pub sent_at: [u32; WINDOW as usize],
 }
 
 impl Slot {
@@ -126,6 +133,7 @@ impl Slot {
         result: 0,
         conn: 0,
         held: None,
+        sent_at: [0; WINDOW as usize],
     };
 
     /// Sets up the pieces for `len` bytes in chunks of `chunk`; `false` when that takes
@@ -169,6 +177,22 @@ impl Slot {
     /// Every piece is answered.
     pub(crate) fn done(&self) -> bool {
         self.base == self.pieces
+    }
+
+    /// Piece `p` (the next to send) is wholly sent at `ms`.
+    pub(crate) fn mark_sent(&mut self, p: u32, ms: u32) {
+        self.sent_at[(p % WINDOW) as usize] = ms;
+    }
+
+    /// When piece `p` (sent, in the window) was wholly sent.
+    pub(crate) fn sent_time(&self, p: u32) -> u32 {
+        self.sent_at[(p % WINDOW) as usize]
+    }
+
+    /// The oldest piece awaiting a reply and when it was sent: piece `base`, once sent
+    /// (its bit of `acked` is always clear).
+    pub(crate) fn oldest_waiting(&self) -> Option<(u32, u32)> {
+        (self.busy && self.base < self.next).then(|| (self.base, self.sent_time(self.base)))
     }
 
     /// Takes the reply for piece `p` of use `gen`. `Ok(true)` when the slot had sent all
@@ -393,6 +417,32 @@ mod tests {
         assert_eq!(s.base, WINDOW);
         assert_eq!(s.acked, 0);
         assert_eq!(s.window_end(), 2 * WINDOW);
+    }
+
+    #[test]
+    fn the_oldest_piece_awaiting_a_reply_keeps_its_send_time() {
+        let mut s = sent(200, 0);
+        s.busy = true;
+        assert_eq!(s.oldest_waiting(), None);
+        // The window sent at 10 ms, piece by piece.
+        for p in 0..WINDOW {
+            s.mark_sent(p, 10);
+            s.next += 1;
+        }
+        assert_eq!(s.oldest_waiting(), Some((0, 10)));
+        let g = s.gen;
+        // Piece 0 answered: piece 64 goes out later, in piece 0's place of the ring; the
+        // oldest is still piece 1, sent at 10.
+        assert_eq!(s.claim(g, 0), Ok(true));
+        s.mark_sent(WINDOW, 900);
+        s.next += 1;
+        assert_eq!(s.oldest_waiting(), Some((1, 10)));
+        for p in 1..WINDOW {
+            assert!(s.claim(g, p).is_ok());
+        }
+        assert_eq!(s.oldest_waiting(), Some((WINDOW, 900)));
+        assert_eq!(s.claim(g, WINDOW), Ok(false));
+        assert_eq!(s.oldest_waiting(), None, "every piece sent is answered");
     }
 
     #[test]

@@ -3,11 +3,14 @@
 //! payload that must land nowhere), for a request sent before a replay; a server that
 //! breaks the protocol on every connection; one that trickles its handshake a byte a
 //! second, at open and on reconnection; one that never answers while the engine is
-//! dropped. A protocol violation must break the connection and complete nothing (the
-//! operation is replayed and completes by its genuine reply), and every wait must end by
-//! its deadline. Deadlines are asserted with wide margins; a test whose engine waits
-//! forever fails by `within`'s limit instead of hanging.
+//! dropped; per-request deadlines (`deadline.rs`); error answers to `NBD_OPT_GO`
+//! (`handshake.rs`). A protocol violation must break the connection and complete nothing
+//! (the operation is replayed and completes by its genuine reply), and every wait must
+//! end by its deadline. Deadlines are asserted with wide margins; a test whose engine
+//! waits forever fails by `within`'s limit instead of hanging.
 
+mod deadline;
+mod handshake;
 mod server;
 
 use std::io;

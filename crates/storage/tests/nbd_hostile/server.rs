@@ -21,12 +21,18 @@ const REP_MAGIC: u64 = 0x0003_e889_0455_65a9;
 const REQUEST_MAGIC: u32 = 0x2560_9513;
 const REPLY_MAGIC: u32 = 0x6744_6698;
 const OPT_EXPORT_NAME: u32 = 1;
+const OPT_ABORT: u32 = 2;
+const OPT_LIST: u32 = 3;
 const OPT_GO: u32 = 7;
 const REP_ACK: u32 = 1;
+const REP_SERVER: u32 = 2;
 const REP_INFO: u32 = 3;
 const REP_ERR_UNSUP: u32 = (1 << 31) | 1;
-const CMD_READ: u16 = 0;
-const CMD_WRITE: u16 = 1;
+pub const REP_ERR_INVALID: u32 = (1 << 31) | 3;
+pub const REP_ERR_PLATFORM: u32 = (1 << 31) | 4;
+pub const REP_ERR_UNKNOWN: u32 = (1 << 31) | 6;
+pub const CMD_READ: u16 = 0;
+pub const CMD_WRITE: u16 = 1;
 const CMD_DISC: u16 = 2;
 /// `NBD_FLAG_HAS_FLAGS` only: no FLUSH, FUA, TRIM or multi-conn.
 const TRANSMISSION_FLAGS: u16 = 1;
@@ -100,21 +106,55 @@ impl Session {
         self.send(&b)
     }
 
-    /// The fixed newstyle handshake, as an honest server does it.
-    pub fn handshake(&mut self) -> io::Result<()> {
+    /// The greeting, and the client's flags.
+    fn greeting(&mut self) -> io::Result<()> {
         let mut hello = Vec::new();
         hello.extend_from_slice(&INIT_MAGIC.to_be_bytes());
         hello.extend_from_slice(&OPTS_MAGIC.to_be_bytes());
         hello.extend_from_slice(&3u16.to_be_bytes()); // FIXED_NEWSTYLE | NO_ZEROES
         self.send(&hello)?;
         let _client_flags = self.read_n::<4>()?;
+        Ok(())
+    }
+
+    /// The next option: its number and data.
+    fn option(&mut self) -> io::Result<(u32, Vec<u8>)> {
+        let magic = u64::from_be_bytes(self.read_n::<8>()?);
+        assert_eq!(magic, OPTS_MAGIC, "option magic");
+        let opt = u32::from_be_bytes(self.read_n::<4>()?);
+        let len = u32::from_be_bytes(self.read_n::<4>()?) as usize;
+        let mut data = vec![0u8; len];
+        self.stream.read_exact(&mut data)?;
+        Ok((opt, data))
+    }
+
+    /// A handshake in which the server answers `NBD_OPT_GO` with error `rep` and
+    /// `message`, and `NBD_OPT_LIST` with `exports`; until the client aborts.
+    pub fn refuse_go(&mut self, rep: u32, message: &str, exports: &[&str]) -> io::Result<()> {
+        self.greeting()?;
         loop {
-            let magic = u64::from_be_bytes(self.read_n::<8>()?);
-            assert_eq!(magic, OPTS_MAGIC, "option magic");
-            let opt = u32::from_be_bytes(self.read_n::<4>()?);
-            let len = u32::from_be_bytes(self.read_n::<4>()?) as usize;
-            let mut data = vec![0u8; len];
-            self.stream.read_exact(&mut data)?;
+            let (opt, _) = self.option()?;
+            match opt {
+                OPT_GO => self.option_reply(opt, rep, message.as_bytes())?,
+                OPT_LIST => {
+                    for name in exports {
+                        let mut b = (name.len() as u32).to_be_bytes().to_vec();
+                        b.extend_from_slice(name.as_bytes());
+                        self.option_reply(opt, REP_SERVER, &b)?;
+                    }
+                    self.option_reply(opt, REP_ACK, &[])?;
+                }
+                OPT_ABORT => return self.option_reply(opt, REP_ACK, &[]),
+                _ => self.option_reply(opt, REP_ERR_UNSUP, &[])?,
+            }
+        }
+    }
+
+    /// The fixed newstyle handshake, as an honest server does it.
+    pub fn handshake(&mut self) -> io::Result<()> {
+        self.greeting()?;
+        loop {
+            let (opt, _) = self.option()?;
             let size = (self.export.size as u64).to_be_bytes();
             let flags = TRANSMISSION_FLAGS.to_be_bytes();
             match opt {
@@ -189,6 +229,11 @@ impl Session {
         b.extend_from_slice(&cookie.to_be_bytes());
         b.extend_from_slice(payload);
         self.send(&b)
+    }
+
+    /// Sends `b` as it is (a reply's payload after its header, say).
+    pub fn send_raw(&mut self, b: &[u8]) -> io::Result<()> {
+        self.send(b)
     }
 
     /// Does `r` and answers it.
