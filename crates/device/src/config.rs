@@ -303,6 +303,29 @@ mod tests {
         assert_eq!(ok.worker_of(0), 0);
         assert_eq!(ok.worker_of(3), 1);
         assert_eq!(DeviceConfig::default().validate(), Ok(()));
+        // A queue past 255 could never get its kick, call and error descriptors (their
+        // messages carry an 8-bit index): refused, not offered.
+        let bad = DeviceConfig {
+            num_queues: 257,
+            ..Default::default()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("8-bit queue index"));
+        let max = DeviceConfig {
+            num_queues: 256,
+            ..Default::default()
+        };
+        assert_eq!(max.validate(), Ok(()));
+        for secs in [0, 3601] {
+            let bad = DeviceConfig {
+                drain_timeout: std::time::Duration::from_secs(secs),
+                ..Default::default()
+            };
+            assert!(bad.validate().is_err(), "drain timeout {secs} s");
+        }
         let bad = DeviceConfig {
             threads: 3,
             num_queues: 2,

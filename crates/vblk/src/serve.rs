@@ -133,15 +133,24 @@ pub struct ServeArgs {
     pub engine_threads: usize,
 
     /// NBD disks: when the connection to the server breaks, hold the requests in flight
-    /// and reconnect for up to this many seconds, replaying them on the new connection;
-    /// then fail them (and later ones, while the server stays away) with IOERR.
-    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    /// and reconnect for up to this many seconds (1-3600), replaying them on the new
+    /// connection; then fail them (and later ones, while the server stays away) with
+    /// IOERR. Counted from the first break that catches requests: a server that accepts
+    /// and breaks again does not restart it.
+    #[arg(long, value_name = "SECS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub nbd_reconnect_secs: u64,
 
-    /// NBD disks: a request with no reply (and no byte from the server) for this many
-    /// seconds means the connection is dead (a silent server); also the limit of one
-    /// connection attempt.
-    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    /// NBD disks: the deadline of every wait on the server (1-3600). A request not
+    /// answered this many seconds after it was sent, a request the server will not read
+    /// for as long, or no byte from the server for as long while replies are awaited,
+    /// breaks the connection; its requests are replayed as --nbd-reconnect-secs says, then
+    /// fail with IOERR. A single request that legitimately takes longer (a 32 MiB write to
+    /// a very slow server, or over a slow link) is therefore retried and then fails: raise
+    /// this for such servers. Also the limit of one connection attempt (name lookup,
+    /// connect, handshake), and of waiting for requests in flight when a worker stops.
+    #[arg(long, value_name = "SECS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub nbd_timeout_secs: u64,
 
     /// NBD disks: connections per worker when the server offers multi-conn (1-64; a server

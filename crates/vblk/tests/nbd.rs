@@ -29,6 +29,9 @@ impl Nbdkit {
         require_programs(&[("nbdkit", "nbdkit")]);
         let sock = dir.join("nbdkit.sock");
         let pidfile = dir.join("nbdkit.pid");
+        // A server killed before (a restart) leaves both behind.
+        let _ = std::fs::remove_file(&sock);
+        let _ = std::fs::remove_file(&pidfile);
         let mut cmd = Command::new(find_program("nbdkit").expect("checked"));
         cmd.arg("-f")
             .arg("-P")
@@ -266,4 +269,51 @@ fn read_only_export_needs_read_only() {
     let c = q.wait(Some(IO_TIMEOUT)).unwrap();
     assert!(c.result.is_ok());
     assert!(c.bufs.into_one().unwrap().iter().all(|&b| b == 0));
+}
+
+/// A frontend that connects while the NBD server is down cannot be served (its session
+/// needs a connection to the server), but the daemon is not taken down with it: once the
+/// server is back, the next frontend is served.
+#[test]
+fn a_session_that_cannot_reach_the_server_ends_only_itself() {
+    let dir = temp_dir("vblk-nbd-");
+    let img = dir.path().join("disk.img");
+    std::fs::write(&img, vec![0u8; 16 * MIB]).unwrap();
+    let nbd = Nbdkit::start(dir.path(), &["file", img.to_str().unwrap()]);
+    let uri = nbd.uri();
+    let sock = dir.path().join("vblk.sock");
+    let mut d = Daemon::start(
+        Backend::Vblk,
+        "vblk serve (nbd)",
+        &Export::new(&uri, 1).args(&["--nbd-timeout-secs", "2"]),
+        &sock,
+        &dir.path().join("serve.log"),
+    );
+    // The server goes away; the daemon keeps listening.
+    drop(nbd);
+    let refused = Disk::attach(&sock, &DiskOptions::default());
+    assert!(refused.is_err(), "a session without a server was set up");
+    std::thread::sleep(Duration::from_millis(300));
+    d.assert_running("after a frontend whose session could not be set up");
+    assert!(
+        d.log_text().contains("its session cannot be set up"),
+        "the daemon did not say why:\n{}",
+        d.log_text()
+    );
+    // The server comes back (same socket): the next frontend is served.
+    let nbd = Nbdkit::start(dir.path(), &["file", img.to_str().unwrap()]);
+    assert_eq!(nbd.uri(), uri);
+    let disk =
+        Disk::attach(&sock, &DiskOptions::default()).expect("served once the server is back");
+    let mut q = disk.take_queue(0).unwrap();
+    let mut b = q.alloc(4096).unwrap();
+    b.fill(0x3c);
+    q.write(0, b, 1).unwrap();
+    let c = q.wait(Some(IO_TIMEOUT)).unwrap();
+    assert!(c.result.is_ok(), "{:?}", c.result);
+    q.flush_sync().unwrap();
+    drop(q);
+    drop(disk);
+    assert_eq!(std::fs::read(&img).unwrap()[..4096], [0x3c; 4096]);
+    d.assert_running("at the end");
 }
