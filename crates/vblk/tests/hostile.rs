@@ -28,14 +28,17 @@
 //!   overflowing offset / whose size disagrees with the message; SET_CONFIG of
 //!   the read-only capacity / past the config space; SET_LOG_BASE, SET_LOG_FD,
 //!   GET_INFLIGHT_FD, SET_INFLIGHT_FD not negotiated (refused); GET_QUEUE_NUM without MQ
-//!   (survives: the spec allows it when MQ is offered).
+//!   (survives: the spec allows it when MQ is offered). Half a header and then silence
+//!   with the connection open; requests whose replies are never read until the socket is
+//!   full both ways (refused: the daemon closes the connection after its 5 s deadline).
 //! - memory: SET_MEM_TABLE with 0 regions, overlapping regions, a zero-size or 2^62-byte
 //!   region, an unaligned mmap offset, an overflowing offset or address, a count that
 //!   disagrees with the payload, more or fewer fds than regions, no fd, a pipe or a socket
 //!   for an fd, a region reaching past the end of its memfd, a region larger than its
 //!   memfd; ADD_MEM_REG overlapping, duplicated, beyond GET_MAX_MEM_SLOTS, without fd,
 //!   with two fds, of size 0, past the end of its memfd; REM_MEM_REG of an unknown region
-//!   (refused). A memfd shrunk under a running ring (SET_MEM_TABLE and ADD_MEM_REG; the
+//!   (refused); a region whose fd is a file on a disk file system, not tmpfs (refused).
+//!   A memfd shrunk under a running ring (SET_MEM_TABLE and ADD_MEM_REG; the
 //!   daemon may instead refuse memfds not sealed against shrinking), the memory table
 //!   replaced or the region removed under a running ring (survives).
 //! - vrings: SET_VRING_NUM 0, 3, 512 (above --queue-size 256), 65536, on queue 2 of 2;
@@ -50,7 +53,12 @@
 //!   OK), kicks on a queue never set up, a saturated call eventfd, a call pipe that is
 //!   full, a kick pipe kept full (also while the next frontend runs), a kick pipe whose
 //!   writer is gone (EOF for ever), a full kick pipe and a close, a disconnect with
-//!   requests in flight, RESET_OWNER with requests in flight.
+//!   requests in flight, RESET_OWNER with requests in flight. Descriptors the frontend
+//!   shares with the device and turns against it after setup (O_NONBLOCK lives in the
+//!   shared open file description): a call eventfd made blocking and saturated, a call
+//!   pipe filled and made blocking, a call socket nobody reads, an error eventfd made
+//!   blocking and saturated before a broken ring signals it, a kick pipe made blocking
+//!   whose kicks the frontend takes back at once (the device must never block on any).
 //!
 //! A second test counts the daemon's open file descriptors around 240 connections
 //! (handshakes, rings with I/O through SET_MEM_TABLE and ADD_MEM_REG, refused messages
