@@ -38,7 +38,8 @@ impl Connection {
             config.threads.max(1),
             "fuzz".into(),
         );
-        let session = Session::new(config, disk, conn, &stats)?;
+        let fence = Arc::new(crate::fence::Fence::new(stats.fence.clone()));
+        let session = Session::new(config, disk, conn, &stats, &fence)?;
         Ok(Connection {
             session,
             stream,
