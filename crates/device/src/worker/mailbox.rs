@@ -11,10 +11,10 @@
 use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use log::error;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -113,8 +113,37 @@ pub(crate) struct WorkerHandle {
     pub(super) id: usize,
     pub(super) mailbox: Arc<Mailbox>,
     pub(super) thread: Option<JoinHandle<()>>,
+    /// Disconnected once the thread has ended (its sender is dropped last, also when it
+    /// unwinds): joining waits on it instead of polling.
+    pub(super) ended: Receiver<()>,
     /// How long dropping the handle waits for the thread to end.
     pub(super) join_timeout: Duration,
+}
+
+impl WorkerHandle {
+    /// Run `body` on a new thread named `name`; the handle's `ended` channel disconnects
+    /// when the thread has ended, whichever way it ends.
+    pub(super) fn start(
+        id: usize,
+        mailbox: Arc<Mailbox>,
+        join_timeout: Duration,
+        body: impl FnOnce() + Send + 'static,
+    ) -> io::Result<WorkerHandle> {
+        let (tx, ended) = sync_channel::<()>(0);
+        let thread = std::thread::Builder::new()
+            .name(format!("vblk-worker-{id}"))
+            .spawn(move || {
+                let _ended = tx;
+                body();
+            })?;
+        Ok(WorkerHandle {
+            id,
+            mailbox,
+            thread: Some(thread),
+            ended,
+            join_timeout,
+        })
+    }
 }
 
 impl WorkerHandle {
@@ -150,16 +179,12 @@ impl Drop for WorkerHandle {
     fn drop(&mut self) {
         self.mailbox.send(Command::Exit);
         let Some(t) = self.thread.take() else { return };
-        let deadline = Instant::now() + self.join_timeout;
-        while !t.is_finished() {
-            if Instant::now() >= deadline {
-                error!(
-                    "worker {}: its thread did not end within {:?} (requests still at the disk); it is left to end on its own, and its requests keep later ones fenced",
-                    self.id, self.join_timeout
-                );
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        if let Err(RecvTimeoutError::Timeout) = self.ended.recv_timeout(self.join_timeout) {
+            error!(
+                "worker {}: its thread did not end within {:?} (requests still at the disk); it is left to end on its own, and its requests keep later ones fenced",
+                self.id, self.join_timeout
+            );
+            return;
         }
         if t.join().is_err() {
             error!("worker {}: its thread panicked", self.id);

@@ -86,16 +86,7 @@ impl WorkerHandle {
     pub(crate) fn spawn(setup: WorkerSetup, join_timeout: Duration) -> io::Result<WorkerHandle> {
         let mailbox = Arc::new(Mailbox::new()?);
         let worker = Worker::new(setup, mailbox.clone())?;
-        let id = worker.id;
-        let thread = std::thread::Builder::new()
-            .name(format!("vblk-worker-{id}"))
-            .spawn(move || worker.run())?;
-        Ok(WorkerHandle {
-            id,
-            mailbox,
-            thread: Some(thread),
-            join_timeout,
-        })
+        WorkerHandle::start(worker.id, mailbox, join_timeout, move || worker.run())
     }
 }
 
@@ -999,17 +990,7 @@ impl Worker {
 
     /// Run a test-driven worker on a thread of its own, as `WorkerHandle::spawn` does.
     pub(crate) fn into_thread(self, mailbox: Arc<Mailbox>, join_timeout: Duration) -> WorkerHandle {
-        let id = self.id;
-        let thread = std::thread::Builder::new()
-            .name(format!("vblk-worker-{id}"))
-            .spawn(move || self.run())
-            .unwrap();
-        WorkerHandle {
-            id,
-            mailbox,
-            thread: Some(thread),
-            join_timeout,
-        }
+        WorkerHandle::start(self.id, mailbox, join_timeout, move || self.run()).unwrap()
     }
 
     /// Queue a command for a test-driven worker.
