@@ -72,6 +72,7 @@ impl Blk {
             | feature::bit(feature::FLUSH)
             | feature::bit(feature::CONFIG_WCE)
             | feature::bit(feature::MQ)
+            | crate::wire::VHOST_F_LOG_ALL
             | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
         // Every backend discards and writes zeroes (falling back to writing them). On a
         // read-only disk both stay offered and are answered with IOERR, like writes, as

@@ -23,6 +23,8 @@
 //! - `stats`: live per-queue and per-worker counters and latency histograms, served as
 //!   JSON on the control socket (`vblk stats`).
 //! - `poll`: the adaptive polling window a worker spins in before it sleeps.
+//! - `dirty_log`: the bitmap of guest pages the device wrote, while a live migration
+//!   copies memory (VHOST_F_LOG_ALL, LOG_SHMFD).
 //! - `fence`: the reset fence: requests from before a reset never land after requests
 //!   from after it.
 //! - `vring_fd`: the kick, call and error descriptors the frontend hands over, read and
@@ -37,6 +39,7 @@
 mod blk;
 pub mod config;
 pub mod daemon;
+mod dirty_log;
 mod fence;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;

@@ -151,6 +151,17 @@ impl GuestMemory {
         region.get_host_address(MemoryRegionAddress(off)).ok()
     }
 
+    /// The guest physical address of the host address `host` (a pointer the parser made
+    /// from a descriptor), for the dirty log; None if no region of this view maps it.
+    pub(crate) fn gpa_of(&self, host: *const u8) -> Option<u64> {
+        let h = host as usize;
+        self.mmap.iter().find_map(|r| {
+            let base = r.as_ptr() as usize;
+            let off = h.checked_sub(base)?;
+            (off < r.len() as usize).then(|| r.start_addr().raw_value() + off as u64)
+        })
+    }
+
     /// A new view with `regions` replaced by the mapped `new` regions (SET_MEM_TABLE).
     pub(crate) fn replaced(
         new: Vec<(RegionDesc, File)>,

@@ -193,6 +193,10 @@ pub(crate) struct LifecycleStats {
     pub lost_workers: AtomicU64,
     /// Connections whose session could not be set up (the disk refused a new engine).
     pub failed_setups: AtomicU64,
+    /// 1 while the device logs the guest pages it writes (a live migration runs).
+    pub log_active: AtomicU64,
+    /// Page marks made in dirty logs, over the daemon's life.
+    pub logged_pages: Arc<AtomicU64>,
 }
 
 /// Everything, for one daemon.
@@ -259,6 +263,8 @@ impl Stats {
             "wedged_fds": load(&l.wedged_fds),
             "lost_workers": load(&l.lost_workers),
             "failed_setups": load(&l.failed_setups),
+            "log_active": load(&l.log_active) != 0,
+            "logged_pages": load(&l.logged_pages),
         });
         json!({
             "vblk_stats": 1,

@@ -98,9 +98,15 @@ pub(crate) mod req {
 /// Backend-to-frontend request codes (the backend channel).
 const BACKEND_CONFIG_CHANGE_MSG: u32 = 2;
 
+/// VHOST_F_LOG_ALL, the virtio feature bit (26) a frontend sets to turn dirty logging on.
+pub(crate) const VHOST_F_LOG_ALL: u64 = 1 << 26;
+/// SET_VRING_ADDR flag: log the ring's used-ring writes at `log_guest_addr`.
+pub(crate) const VRING_F_LOG: u32 = 1;
+
 /// Protocol feature bits.
 pub(crate) mod protocol {
     pub const MQ: u64 = 1 << 0;
+    pub const LOG_SHMFD: u64 = 1 << 1;
     pub const REPLY_ACK: u64 = 1 << 3;
     pub const BACKEND_REQ: u64 = 1 << 5;
     pub const CONFIG: u64 = 1 << 9;

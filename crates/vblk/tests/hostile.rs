@@ -68,6 +68,7 @@ mod support;
 
 mod hostile {
     pub mod memory;
+    pub mod migration;
     pub mod rings;
     pub mod session;
     pub mod vrings;
@@ -287,6 +288,7 @@ fn all_classes() -> Vec<Class> {
     v.extend(hostile::memory::classes());
     v.extend(hostile::vrings::classes());
     v.extend(hostile::rings::classes());
+    v.extend(hostile::migration::classes());
     v
 }
 

@@ -10,7 +10,9 @@ use log::debug;
 
 use super::{refuse, Refusal, Session};
 use crate::memory::{RegionDesc, MAX_MEM_SLOTS};
-use crate::wire::{self, le16, le32, le64, protocol, req, Message, WireError, VRING_NOFD};
+use crate::wire::{
+    self, le16, le32, le64, protocol, req, Message, WireError, VRING_F_LOG, VRING_NOFD,
+};
 
 /// Why a session ended.
 #[derive(Debug, thiserror::Error)]
@@ -213,16 +215,18 @@ impl Session {
                 msg.expect_len(40)?;
                 let p = &msg.payload;
                 let (index, flags) = (le32(p, 0), le32(p, 4));
-                if flags & !1 != 0 {
+                if flags & !VRING_F_LOG != 0 {
                     return Err(msg.bad(format_args!("unknown flags {flags:#x}")).into());
                 }
-                if flags & 1 != 0 {
+                let log_used = (flags & VRING_F_LOG != 0).then(|| le64(p, 32));
+                if log_used.is_some() && self.acked_protocol & protocol::LOG_SHMFD == 0 {
                     return Err(refuse(format!(
-                        "SET_VRING_ADDR: queue {index} asks for dirty logging, which was not offered"
+                        "SET_VRING_ADDR: queue {index} asks for dirty logging, but LOG_SHMFD was not negotiated"
                     ))
                     .into());
                 }
-                self.set_vring_addr(index, le64(p, 8), le64(p, 16), le64(p, 24))?;
+                let addrs = (le64(p, 8), le64(p, 16), le64(p, 24));
+                self.set_vring_addr(index, addrs, log_used)?;
                 Ok(Done::Ack)
             }
             req::SET_VRING_KICK | req::SET_VRING_CALL | req::SET_VRING_ERR => {
@@ -316,6 +320,26 @@ impl Session {
                 out[18..20].copy_from_slice(&qs.to_le_bytes());
                 wire::reply(sock, msg, &out, Some(region.fd().as_raw_fd()))?;
                 Ok(Done::Replied)
+            }
+            req::SET_LOG_BASE => {
+                self.require(protocol::LOG_SHMFD, msg)?;
+                msg.expect_len(16)?;
+                msg.expect_fds(1)?;
+                let (size, offset) = (le64(&msg.payload, 0), le64(&msg.payload, 8));
+                let f = msg.fds.remove(0);
+                self.set_log_base(f, size, offset)?;
+                // With LOG_SHMFD the frontend waits for an answer once the log is mapped:
+                // a message of the same request code (libvhost-user sends a u64 0).
+                wire::reply(sock, msg, &0u64.to_le_bytes(), None)?;
+                Ok(Done::Replied)
+            }
+            req::SET_LOG_FD => {
+                self.require(protocol::LOG_SHMFD, msg)?;
+                msg.expect_len(0)?;
+                msg.expect_fds(1)?;
+                let f = msg.fds.remove(0);
+                self.set_log_fd(f);
+                Ok(Done::Ack)
             }
             req::SET_BACKEND_REQ_FD => {
                 self.require(protocol::BACKEND_REQ, msg)?;

@@ -35,13 +35,14 @@ use storage::Backend;
 
 use crate::blk::Blk;
 use crate::config::DeviceConfig;
+use crate::dirty_log::DirtyLog;
 use crate::fence::Fence;
 use crate::inflight::InflightRegion;
 use crate::memory::{GuestMemory, RegionDesc};
 use crate::ring::{DeviceRing, RingAddrs};
 use crate::stats::{LifecycleStats, QueueStats, Stats};
 use crate::vring_fd::VringFd;
-use crate::wire::{protocol, BackendChannel};
+use crate::wire::{protocol, BackendChannel, VHOST_F_LOG_ALL};
 use crate::worker::{indirect_acked, Command, Lost, QueueStart, WorkerHandle, WorkerSetup};
 
 pub(crate) use messages::SessionEnd;
@@ -75,6 +76,8 @@ struct Vring {
     err: Option<VringFd>,
     enabled: bool,
     started: bool,
+    /// Where used-ring writes are logged (SET_VRING_ADDR with VHOST_VRING_F_LOG).
+    log_used: Option<u64>,
 }
 
 /// The device's side of one frontend connection.
@@ -90,6 +93,12 @@ pub(crate) struct Session {
     backend: Option<BackendChannel>,
     /// The inflight region (GET_INFLIGHT_FD / SET_INFLIGHT_FD).
     inflight: Option<Arc<InflightRegion>>,
+    /// The dirty log's bitmap (SET_LOG_BASE); in use while VHOST_F_LOG_ALL is acked.
+    log: Option<Arc<DirtyLog>>,
+    /// The log the workers have (VHOST_F_LOG_ALL acked and a bitmap mapped), if any.
+    given: Option<Arc<DirtyLog>>,
+    /// SET_LOG_FD's descriptor, kept for the frontend (vhost-user does not use it).
+    log_fd: Option<File>,
     /// The vhost-user protocol features offered.
     protocol_offered: u64,
     mem: Arc<GuestMemory>,
@@ -168,6 +177,9 @@ impl Session {
             acked_protocol: 0,
             backend: None,
             inflight: None,
+            log: None,
+            given: None,
+            log_fd: None,
             protocol_offered: offered_protocol(config.inflight),
             mem: Arc::new(GuestMemory::empty()),
             poison,
@@ -314,6 +326,7 @@ impl Session {
             stats: self.stats[index].clone(),
             inflight,
             resubmit,
+            log_used: v.log_used,
         };
         v.started = true;
         debug!("queue {index}: started (size {size}, base {})", v.base);
@@ -338,6 +351,41 @@ impl Session {
             .map_err(|e| self.lost(e))?;
         self.vrings[index].base = next;
         Ok(next)
+    }
+
+    /// Give the workers the dirty log if logging is on and a bitmap is mapped, or take it
+    /// away; waits until every worker uses the new state.
+    fn update_logging(&mut self) -> Answer<()> {
+        let on = self.blk.acked.load(Ordering::Relaxed) & VHOST_F_LOG_ALL != 0;
+        let log = if on { self.log.clone() } else { None };
+        if on && log.is_none() {
+            warn!(
+                "VHOST_F_LOG_ALL acked before SET_LOG_BASE: nothing can be logged until it comes"
+            );
+        }
+        let same = match (&log, &self.given) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        if same {
+            return Ok(());
+        }
+        if let Some(old) = &self.given {
+            let (pages, outside) = old.counts();
+            info!("dirty log: {pages} page marks, {outside} past the end of the bitmap");
+        }
+        self.given = log.clone();
+        self.lifecycle
+            .log_active
+            .store(u64::from(log.is_some()), Ordering::Relaxed);
+        for w in &self.workers {
+            let log = log.clone();
+            w.ask(ANSWER_TIMEOUT, |reply| Command::Log { log, reply })
+                .map_err(|e| self.lost(e))?;
+        }
+        info!("dirty logging {}", if log.is_some() { "on" } else { "off" });
+        Ok(())
     }
 
     fn lost(&self, e: Lost) -> Refusal {
@@ -375,6 +423,10 @@ impl Session {
         self.owner = false;
         self.features_set = false;
         self.inflight = None;
+        self.log = None;
+        self.log_fd = None;
+        self.blk.acked.store(0, Ordering::Relaxed);
+        self.update_logging()?;
         self.blk.acked.store(0, Ordering::Relaxed);
         Ok(())
     }
@@ -400,7 +452,28 @@ impl Session {
         debug!("driver acked features {features:#x}");
         self.blk.acked.store(features, Ordering::Relaxed);
         self.features_set = true;
-        Ok(())
+        self.update_logging()
+    }
+
+    /// SET_LOG_BASE: the dirty bitmap (LOG_SHMFD).
+    fn set_log_base(&mut self, file: File, size: u64, offset: u64) -> Answer<()> {
+        let marked = self.lifecycle.logged_pages.clone();
+        let log = DirtyLog::map(file, size, offset, &self.poison, marked)
+            .map_err(|e| refuse(format!("SET_LOG_BASE: {e}")))?;
+        info!(
+            "dirty log: {} bytes, covering {} MiB of guest memory",
+            log.len(),
+            (log.len() as u64 * 8 * crate::dirty_log::LOG_PAGE) >> 20
+        );
+        // A new bitmap while logging (QEMU resizes it as memory grows): the workers move
+        // to it now.
+        self.log = Some(Arc::new(log));
+        self.update_logging()
+    }
+
+    /// SET_LOG_FD: kept, unused (vhost-user frontends read the shared bitmap).
+    fn set_log_fd(&mut self, file: File) {
+        self.log_fd = Some(file);
     }
 
     fn set_mem_table(&mut self, regions: Vec<(RegionDesc, File)>) -> Answer<()> {
@@ -425,13 +498,17 @@ impl Session {
         Ok(())
     }
 
-    /// SET_VRING_ADDR: the three parts' frontend addresses.
-    fn set_vring_addr(&mut self, index: u32, desc: u64, used: u64, avail: u64) -> Answer<()> {
+    /// SET_VRING_ADDR: the three parts' frontend addresses, and whether (and where) the
+    /// used ring's writes are logged. On a running ring only the logging may change (QEMU
+    /// sends the same addresses with the log flag when a migration starts or ends).
+    fn set_vring_addr(
+        &mut self,
+        index: u32,
+        (desc, used, avail): (u64, u64, u64),
+        log_used: Option<u64>,
+    ) -> Answer<()> {
         let mem = self.mem.clone();
         let v = self.vring(index, "SET_VRING_ADDR")?;
-        if v.started {
-            return Err(refuse(format!("SET_VRING_ADDR: queue {index} is running")));
-        }
         let gpa = |va: u64, part: &str| {
             mem.va_to_gpa(va).ok_or_else(|| {
                 refuse(format!(
@@ -439,11 +516,27 @@ impl Session {
                 ))
             })
         };
-        v.addrs = Some(RingAddrs {
+        let addrs = RingAddrs {
             desc: gpa(desc, "descriptor table")?,
             avail: gpa(avail, "available ring")?,
             used: gpa(used, "used ring")?,
-        });
+        };
+        if v.started {
+            if v.addrs != Some(addrs) {
+                return Err(refuse(format!(
+                    "SET_VRING_ADDR: queue {index} is running and the addresses changed"
+                )));
+            }
+            v.log_used = log_used;
+            let queue = index as usize;
+            self.worker(queue).send(Command::LogRing {
+                queue,
+                used_gpa: log_used,
+            });
+            return Ok(());
+        }
+        v.addrs = Some(addrs);
+        v.log_used = log_used;
         Ok(())
     }
 
@@ -672,6 +765,7 @@ fn counts(q: &QueueStats) -> (u64, u64, u64) {
 /// The vhost-user protocol features the device offers.
 fn offered_protocol(inflight: bool) -> u64 {
     let all = protocol::MQ
+        | protocol::LOG_SHMFD
         | protocol::REPLY_ACK
         | protocol::CONFIG
         | protocol::CONFIGURE_MEM_SLOTS

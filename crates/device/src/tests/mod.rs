@@ -13,6 +13,7 @@
 //! the request's writable bytes and the used ring is untouched, and that the disk holds
 //! what it should.
 
+mod dirty_log;
 mod lifecycle;
 mod requests;
 mod rings;
@@ -239,6 +240,7 @@ impl Rig {
             stats: rig.stats.clone(),
             inflight: None,
             resubmit: Vec::new(),
+            log_used: None,
         };
         Worker::post(&rig.mailbox, Command::Start(Box::new(start)));
         rig.worker.step();

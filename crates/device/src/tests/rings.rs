@@ -474,6 +474,7 @@ pub(super) fn start_queue(
         stats: rig.stats.clone(),
         inflight,
         resubmit: resubmit.clone(),
+        log_used: None,
     };
     Worker::post(&rig.mailbox, Command::Start(Box::new(qs)));
     rig.worker.step();

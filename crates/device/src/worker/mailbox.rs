@@ -20,6 +20,7 @@ use log::error;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::queue::QueueStart;
+use crate::dirty_log::DirtyLog;
 use crate::memory::GuestMemory;
 use crate::vring_fd::VringFd;
 
@@ -52,6 +53,18 @@ pub(crate) enum Command {
     Memory {
         mem: Arc<GuestMemory>,
         reply: SyncSender<()>,
+    },
+    /// Live migration's dirty log: mark every guest page written from now on (Some), or
+    /// stop (None). Answered once the worker uses it.
+    Log {
+        log: Option<Arc<DirtyLog>>,
+        reply: SyncSender<()>,
+    },
+    /// Where queue `queue`'s used-ring writes are logged (SET_VRING_ADDR with
+    /// VHOST_VRING_F_LOG on a running ring; None: not logged).
+    LogRing {
+        queue: usize,
+        used_gpa: Option<u64>,
     },
     /// Tests: panic on the worker thread.
     #[cfg(test)]

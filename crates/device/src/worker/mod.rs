@@ -40,9 +40,10 @@ pub(crate) use queue::QueueStart;
 #[cfg(test)]
 pub(crate) use queue::SLOT_IOVECS;
 use queue::{token, untoken, Queue, RateLimit, Stopping};
-use request::{complete, keep_or_shrink, to_op, write_id};
+use request::{complete, keep_or_shrink, to_op, write_id, LogView};
 
 use crate::blk::Blk;
+use crate::dirty_log::DirtyLog;
 use crate::fence::{fetch_max, Fence};
 use crate::memory::GuestMemory;
 use crate::poll::Poll;
@@ -160,6 +161,8 @@ pub(crate) struct Worker {
     drain_timeout: Duration,
     stats: Arc<WorkerStats>,
     lifecycle: Arc<LifecycleStats>,
+    /// Live migration's dirty log, while it runs.
+    log: Option<Arc<DirtyLog>>,
     /// The start of the current pass: one clock read per pass times every request.
     now: Instant,
     /// Work served since the worker last went idle: chains taken from rings plus
@@ -217,6 +220,7 @@ impl Worker {
             drain_timeout: setup.drain_timeout,
             stats: setup.stats,
             lifecycle: setup.lifecycle,
+            log: None,
             now: Instant::now(),
             work: 0,
         })
@@ -438,6 +442,21 @@ impl Worker {
                     self.set_memory(mem);
                     let _ = reply.send(());
                 }
+                Command::Log { log, reply } => {
+                    self.log = log;
+                    // Rings written before logging began are logged now, so that no
+                    // used-ring write from before escapes the migration's copy.
+                    for q in &self.queues {
+                        q.log_used_ring(self.log.as_deref());
+                    }
+                    let _ = reply.send(());
+                }
+                Command::LogRing { queue, used_gpa } => {
+                    if let Some(q) = self.queues.iter_mut().find(|q| q.index == queue) {
+                        q.log_used = used_gpa;
+                        q.log_used_ring(self.log.as_deref());
+                    }
+                }
                 #[cfg(test)]
                 Command::Panic => panic!("worker {}: panic asked for by a test", self.id),
                 Command::Exit => self.exit = true,
@@ -586,7 +605,7 @@ impl Worker {
         self.submit();
         progress |= self.reap();
         for q in &mut self.queues {
-            q.publish();
+            q.publish(self.log.as_deref());
             q.store_in_flight();
         }
         if self.in_flight == 0 && !self.retired.is_empty() {
@@ -602,7 +621,7 @@ impl Worker {
             return false;
         }
         if !q.quiet {
-            q.ring.set_kicks(false);
+            q.set_kicks(false, self.log.as_deref());
             q.quiet = true;
         }
         match q.ring.refresh() {
@@ -702,6 +721,14 @@ impl Worker {
                     // SAFETY: the parser translated status_ptr from a device-writable byte
                     // inside guest memory, which `self.mem` keeps mapped.
                     unsafe { status_ptr.write_volatile(error.status()) };
+                    if let Some(log) = &self.log {
+                        let view = LogView {
+                            log,
+                            mem: &self.mem,
+                            retired: &self.retired,
+                        };
+                        view.mark_status(status_ptr);
+                    }
                     Some((error.status(), 1))
                 }
                 Err(Rejected::Unanswerable(error)) => {
@@ -720,6 +747,14 @@ impl Worker {
                 if st == status::OK {
                     // SAFETY: as above, status_ptr is a checked byte of guest memory.
                     unsafe { q.slots[h].req.status_ptr.write_volatile(status::OK) };
+                    if let Some(log) = &self.log {
+                        let view = LogView {
+                            log,
+                            mem: &self.mem,
+                            retired: &self.retired,
+                        };
+                        view.mark_request(&q.slots[h].req);
+                    }
                 }
                 q.used.push((head, used_len));
                 if st == status::OK {
@@ -757,6 +792,11 @@ impl Worker {
         self.in_flight -= n;
         self.work += n as u64;
         let mut old_done = 0;
+        let view = self.log.as_deref().map(|log| LogView {
+            log,
+            mem: &self.mem,
+            retired: &self.retired,
+        });
         for c in self.done.drain(..) {
             let (index, gen, head) = untoken(c.token);
             if let Some(q) = self
@@ -765,14 +805,34 @@ impl Worker {
                 .find(|q| q.index == index && q.gen == gen)
             {
                 let big = (&mut self.big_slots, self.big_slots_max);
-                complete(q, head, c.result, &mut self.io_log, true, self.now, big);
+                let log = view.as_ref();
+                complete(
+                    q,
+                    head,
+                    c.result,
+                    &mut self.io_log,
+                    true,
+                    self.now,
+                    big,
+                    log,
+                );
             } else if let Some(q) = self
                 .zombies
                 .iter_mut()
                 .find(|q| q.index == index && q.gen == gen)
             {
                 let big = (&mut self.big_slots, self.big_slots_max);
-                complete(q, head, c.result, &mut self.io_log, false, self.now, big);
+                let log = view.as_ref();
+                complete(
+                    q,
+                    head,
+                    c.result,
+                    &mut self.io_log,
+                    false,
+                    self.now,
+                    big,
+                    log,
+                );
                 old_done += 1;
             } else {
                 error!(
@@ -816,7 +876,7 @@ impl Worker {
                 q.kick.file().as_raw_fd(),
                 EpollEvent::default(),
             );
-            q.publish();
+            q.publish(self.log.as_deref());
             let next = q.ring.next_avail();
             let waited = q.stopping.as_ref().map(|s| now - s.since);
             if let Some(stop) = q.stopping.take() {
@@ -885,7 +945,7 @@ impl Worker {
                 continue;
             }
             q.quiet = false;
-            more |= q.ring.set_kicks(true);
+            more |= q.set_kicks(true, self.log.as_deref());
         }
         more && room
     }

@@ -21,6 +21,7 @@ use std::time::Instant;
 use log::{error, warn};
 use proto::{Request, RingInfo};
 
+use crate::dirty_log::DirtyLog;
 use crate::inflight::InflightQueue;
 use crate::ring::DeviceRing;
 use crate::stats::{Kind, QueueStats};
@@ -70,6 +71,9 @@ pub(crate) struct QueueStart {
     pub inflight: Option<InflightQueue>,
     /// Heads an earlier device took and did not answer, to run first, in order.
     pub resubmit: Vec<u16>,
+    /// Where used-ring writes are logged while a migration runs (VHOST_VRING_F_LOG's
+    /// log_guest_addr), if the frontend asked.
+    pub log_used: Option<u64>,
 }
 
 /// A started queue.
@@ -110,6 +114,8 @@ pub(crate) struct Queue {
     pub inflight: Option<InflightQueue>,
     /// Heads to run before any new one (inflight recovery), oldest first.
     pub resubmit: std::collections::VecDeque<u16>,
+    /// Where used-ring writes are logged while a migration runs.
+    pub log_used: Option<u64>,
 }
 
 /// How many malformed requests a queue logs in full before it only counts them.
@@ -149,6 +155,7 @@ impl Queue {
             bad: 0,
             inflight: start.inflight,
             resubmit: start.resubmit.into(),
+            log_used: start.log_used,
         }
     }
 
@@ -195,8 +202,24 @@ impl Queue {
         }
     }
 
+    /// Mark the used ring's pages in `log` (it was just written: entries, index, flags or
+    /// avail_event), if the frontend asked for used-ring logging.
+    pub(crate) fn log_used_ring(&self, log: Option<&DirtyLog>) {
+        if let (Some(log), Some(gpa)) = (log, self.log_used) {
+            // flags, idx, the ring, avail_event.
+            log.mark(gpa, 6 + 8 * u64::from(self.ring.size()));
+        }
+    }
+
+    /// Ask for kicks or not (DeviceRing::set_kicks), logging the used ring's write.
+    pub(crate) fn set_kicks(&mut self, enable: bool, log: Option<&DirtyLog>) -> bool {
+        let more = self.ring.set_kicks(enable);
+        self.log_used_ring(log);
+        more
+    }
+
     /// Publish this pass's completions and notify the driver if it wants to hear.
-    pub(crate) fn publish(&mut self) {
+    pub(crate) fn publish(&mut self, log: Option<&DirtyLog>) {
         if self.used.is_empty() {
             return;
         }
@@ -210,6 +233,9 @@ impl Queue {
             iq.before_publish(&self.used);
         }
         let notify = self.ring.publish(&self.used);
+        // Logged after the writes, before the driver is told (a migration's last sync
+        // comes after the ring is stopped, which waits for this).
+        self.log_used_ring(log);
         if let Some(iq) = &mut self.inflight {
             iq.after_publish(&self.used, self.ring.next_used());
         }

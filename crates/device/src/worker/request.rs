@@ -1,5 +1,8 @@
-//! A parsed request as the engine sees it ([`to_op`]), GET_ID answered on the spot, and a
-//! finished request's status and used element ([`complete`]).
+//! A parsed request as the engine sees it ([`to_op`]), GET_ID answered on the spot, a
+//! finished request's status and used element ([`complete`]), and the dirty-log marks of
+//! what a request wrote into guest memory ([`LogView`]).
+
+use std::sync::Arc;
 
 use std::io;
 use std::time::Instant;
@@ -12,6 +15,8 @@ use storage::Op;
 #[cfg(doc)]
 use super::queue::BIG_SLOTS;
 use super::queue::{Queue, RateLimit, SLOT_IOVECS};
+use crate::dirty_log::DirtyLog;
+use crate::memory::GuestMemory;
 use crate::stats::bump;
 
 /// The engine operation for `req`. `durable`: the disk is write-through (the guest turned
@@ -61,8 +66,45 @@ pub(crate) fn write_id(req: &Request, serial: &[u8; ID_BYTES]) {
     }
 }
 
+/// A worker's dirty log with the memory views that translate host pointers back to guest
+/// physical addresses (the current one, and older ones requests in flight still use).
+pub(crate) struct LogView<'a> {
+    pub log: &'a DirtyLog,
+    pub mem: &'a GuestMemory,
+    pub retired: &'a [Arc<GuestMemory>],
+}
+
+impl LogView<'_> {
+    fn mark_host(&self, p: *const u8, len: usize) {
+        let gpa = self
+            .mem
+            .gpa_of(p)
+            .or_else(|| self.retired.iter().find_map(|m| m.gpa_of(p)));
+        if let Some(gpa) = gpa {
+            self.log.mark(gpa, len as u64);
+        }
+    }
+
+    /// Mark what `req` wrote: its status byte, and its payload if the device writes it
+    /// (a read or GET_ID, whether it succeeded or not: a failed read may have written part).
+    pub(crate) fn mark_request(&self, req: &Request) {
+        if matches!(req.kind, RequestKind::In | RequestKind::GetId) {
+            for v in &req.iov {
+                self.mark_host(v.iov_base.cast(), v.iov_len);
+            }
+        }
+        self.mark_host(req.status_ptr, 1);
+    }
+
+    /// Mark one status byte (a request answered without reaching the engine).
+    pub(crate) fn mark_status(&self, status: *const u8) {
+        self.mark_host(status, 1);
+    }
+}
+
 /// Finish request `head` of `q` with the engine's `result`; `publish`: write the status
-/// and queue the used element (false for a queue the frontend has already stopped).
+/// and queue the used element (false for a queue the frontend has already stopped), and
+/// mark what the request wrote in `log` while a migration runs.
 /// `big` is the worker's count of grown iovec vectors and its budget (see [`BIG_SLOTS`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn complete(
@@ -73,6 +115,7 @@ pub(crate) fn complete(
     publish: bool,
     now: Instant,
     big: (&mut usize, usize),
+    dirty: Option<&LogView<'_>>,
 ) {
     let Some(slot) = q.slots.get_mut(usize::from(head)) else {
         return;
@@ -103,8 +146,15 @@ pub(crate) fn complete(
         // SAFETY: status_ptr is a checked byte of guest memory, kept mapped by the
         // worker's memory view or its retired views while the request was in flight.
         unsafe { slot.req.status_ptr.write_volatile(st) };
+        if let Some(dirty) = dirty {
+            dirty.mark_request(&slot.req);
+        }
         q.used.push((head, used_len));
         q.count_completed(head, now);
+    } else if let Some(dirty) = dirty {
+        // A stopped queue's request: its payload may have landed (the engine wrote it),
+        // which a migration must copy too.
+        dirty.mark_request(&slot.req);
     }
     keep_or_shrink(&mut q.slots[usize::from(head)], big);
 }

@@ -60,6 +60,8 @@ pub struct Setup {
     pub kick: Option<(OwnedFd, OwnedFd)>,
     /// The call fd given to the device (default: an eventfd).
     pub call: Option<OwnedFd>,
+    /// Protocol features asked for beyond [`WANT`] (e.g. LOG_SHMFD).
+    pub more_protocol: u64,
 }
 
 impl Default for Setup {
@@ -69,6 +71,7 @@ impl Default for Setup {
             sealed: true,
             kick: None,
             call: None,
+            more_protocol: 0,
         }
     }
 }
@@ -91,7 +94,7 @@ impl Running {
     /// Like [`Running::start`], but None if the device refuses the memory (a daemon may
     /// refuse a memfd that is not sealed against shrinking).
     pub fn try_start(cx: &Ctx, s: Setup) -> Result<Option<Running>, String> {
-        let mut c = cx.ready()?;
+        let mut c = rf::handshake(&cx.sock, WANT | s.more_protocol, true)?;
         let g = Guest::new(MIB, s.sealed, GPA);
         let (code, p) = if s.add_mem_reg {
             if !c.has(pf::CONFIGURE_MEM_SLOTS) {
