@@ -208,6 +208,17 @@ fn print_snapshot(v: &Value) {
             u(&l["fence_wait_ns_max"]) as f64 / 1e6,
             u(&l["fence_wait_ns_total"]) as f64 / 1e6,
         );
+        if l["log_active"].as_bool() == Some(true) || u(&l["logged_pages"]) > 0 {
+            println!(
+                "dirty logging (live migration): {}; {} page marks since start",
+                if l["log_active"].as_bool() == Some(true) {
+                    "on"
+                } else {
+                    "off"
+                },
+                u(&l["logged_pages"]),
+            );
+        }
         let (w, lost, failed) = (
             u(&l["wedged_fds"]),
             u(&l["lost_workers"]),
