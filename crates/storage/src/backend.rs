@@ -112,6 +112,10 @@ pub struct ImageChecks {
     /// and refuses qcow2, VMDK, VDI and the other image formats QEMU knows (a guest
     /// writing to one served raw destroys it); `Some(Format::Raw)` skips the probe.
     pub format: Option<Format>,
+    /// Open the image inactive: without its write locks, as the destination of a live
+    /// migration does while the source still writes ([`Backend::activate`] takes them when
+    /// its rings start). Without it, an image another writer holds is refused at open.
+    pub incoming: bool,
 }
 
 /// What kind of thing holds the bytes.
@@ -163,7 +167,7 @@ impl Drop for MemMap {
 pub struct Backend {
     kind: BackendKind,
     path: Option<PathBuf>,
-    file: Option<File>,
+    pub(crate) file: Option<File>,
     map: Option<MemMap>,
     /// Bytes; changes only through [`Backend::refresh_size`].
     size: AtomicU64,
@@ -180,6 +184,9 @@ pub struct Backend {
     nbd: Option<Arc<Export>>,
     /// The timing model and head position of a simulated hard disk.
     hdd: Option<HddDisk>,
+    /// Whether this backend writes the image now (holds its write locks): see
+    /// [`crate::handoff`].
+    pub(crate) holding: std::sync::Mutex<crate::handoff::Holding>,
 }
 
 // SAFETY: the only field that is not Send + Sync is the RAM disk's mapping, a
@@ -236,6 +243,7 @@ impl Backend {
             refusals: AtomicUsize::new(0),
             nbd: None,
             hdd: None,
+            holding: std::sync::Mutex::new(crate::handoff::Holding::Unlocked),
         }
     }
 
@@ -521,15 +529,26 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
     // Locks first: a second writer is refused before anything is read. The format probe
     // comes before the size checks, so that a qcow2 file of 196616 bytes is named as
     // qcow2, not as a size that is not a multiple of 512.
-    match opts.image.lock {
-        ImageLock::On => {
-            lock_image(&file, Access::vblk(opts.read_only)).map_err(|e| e.into_error(path))?
+    let holding = match opts.image.lock {
+        ImageLock::On if opts.image.incoming => {
+            log::info!(
+                "{}: opened inactive (a migration destination): its write locks are taken when the frontend starts the rings",
+                path.display()
+            );
+            crate::handoff::Holding::Inactive
         }
-        ImageLock::Off => log::info!(
-            "{}: image locking is off: other programs may open it for writing at the same time",
-            path.display()
-        ),
-    }
+        ImageLock::On => {
+            lock_image(&file, Access::vblk(opts.read_only)).map_err(|e| e.into_error(path))?;
+            crate::handoff::Holding::Active
+        }
+        ImageLock::Off => {
+            log::info!(
+                "{}: image locking is off: other programs may open it for writing at the same time",
+                path.display()
+            );
+            crate::handoff::Holding::Unlocked
+        }
+    };
     if opts.image.format.is_none() {
         let found = probe_file(&file, size).map_err(|e| io_err("read (format probe)", e))?;
         if let Some(format) = found {
@@ -605,6 +624,7 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
         refusals: AtomicUsize::new(0),
         nbd: None,
         hdd: None,
+        holding: std::sync::Mutex::new(holding),
     })
 }
 

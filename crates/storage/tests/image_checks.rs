@@ -44,6 +44,7 @@ fn raw_unlocked() -> ImageChecks {
     ImageChecks {
         lock: ImageLock::Off,
         format: Some(Format::Raw),
+        incoming: false,
     }
 }
 
@@ -53,7 +54,8 @@ fn the_default_is_locked_and_probed() {
         OpenOptions::default().image,
         ImageChecks {
             lock: ImageLock::On,
-            format: None
+            format: None,
+            incoming: false,
         }
     );
 }
@@ -107,6 +109,7 @@ fn writers_exclude_each_other_and_readers_share() {
         ImageChecks {
             lock: ImageLock::Off,
             format: None,
+            incoming: false,
         },
     );
     let beside = try_open(&img, &unlocked).unwrap();
@@ -160,6 +163,7 @@ fn images_that_are_not_raw_are_refused_unless_declared_raw() {
         ImageChecks {
             lock: ImageLock::On,
             format: Some(Format::Raw),
+            incoming: false,
         },
     );
     let e = try_open(&img, &raw).unwrap_err().to_string();
@@ -201,6 +205,7 @@ fn block_devices_are_probed_and_locked() {
                 ImageChecks {
                     lock: ImageLock::On,
                     format: Some(Format::Raw),
+                    incoming: false,
                 },
             );
             let first = try_open(&lo.dev, &declared).unwrap();
@@ -240,4 +245,62 @@ fn block_devices_are_probed_and_locked() {
         );
         try_open(&lo.dev, &opts(true, CacheMode::None, raw_unlocked())).unwrap();
     }
+}
+
+/// Two daemons on one image, as the two ends of a live migration: the destination opens
+/// it inactive (no locks) while the source writes; it can take the write locks only once
+/// the source has let go (after making its writes durable), and then the source cannot
+/// take them back. A third writer is refused by whichever is active.
+#[test]
+fn an_image_is_handed_from_one_writer_to_another() {
+    let _serial = serial();
+    let dir = scratch();
+    let path = make_file(dir.path(), "disk.img", MIB, 3);
+    let checks = |incoming| ImageChecks {
+        lock: ImageLock::On,
+        format: Some(Format::Raw),
+        incoming,
+    };
+    let source = try_open(&path, &opts(false, CacheMode::Writeback, checks(false))).unwrap();
+    assert_eq!(source.holding(), vblk_storage::Holding::Active);
+    // Without `incoming`, a second writer is refused at open, as before.
+    assert!(try_open(&path, &opts(false, CacheMode::Writeback, checks(false))).is_err());
+    let dest = try_open(&path, &opts(false, CacheMode::Writeback, checks(true))).unwrap();
+    assert_eq!(dest.holding(), vblk_storage::Holding::Inactive);
+    // The source still writes: the destination cannot start.
+    let e = dest.activate().unwrap_err().to_string();
+    assert!(e.contains("Failed to get \"write\" lock"), "{e}");
+    assert_eq!(dest.holding(), vblk_storage::Holding::Inactive);
+    // The switchover.
+    assert!(source.deactivate().unwrap());
+    assert!(!source.deactivate().unwrap(), "already inactive");
+    assert!(dest.activate().unwrap());
+    assert!(!dest.activate().unwrap(), "already active");
+    // Two active writers: never.
+    assert!(source.activate().is_err());
+    assert!(try_open(&path, &opts(false, CacheMode::Writeback, checks(false))).is_err());
+    // And back.
+    assert!(dest.deactivate().unwrap());
+    assert!(source.activate().unwrap());
+}
+
+/// The guest's write-cache choice is kept with the image file, for the daemon that serves
+/// it next (a migration destination).
+#[test]
+fn the_guests_write_cache_choice_stays_with_the_image() {
+    let _serial = serial();
+    let dir = scratch();
+    let path = make_file(dir.path(), "disk.img", MIB, 3);
+    let o = opts(false, CacheMode::Writeback, raw_unlocked());
+    let a = try_open(&path, &o).unwrap();
+    assert_eq!(a.remembered_writeback(), None, "a fresh image says nothing");
+    assert!(a.remember_writeback(false));
+    let b = try_open(&path, &o).unwrap();
+    assert_eq!(b.remembered_writeback(), Some(false));
+    assert!(b.remember_writeback(true));
+    assert_eq!(a.remembered_writeback(), Some(true));
+    // A RAM disk has nowhere to keep it.
+    let mem = Backend::open(&DiskSpec::Mem(MIB as u64), &OpenOptions::default()).unwrap();
+    assert!(!mem.remember_writeback(false));
+    assert_eq!(mem.remembered_writeback(), None);
 }

@@ -73,6 +73,14 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MODE", value_enum, default_value_t = LockArg::On)]
     pub image_lock: LockArg,
 
+    /// The destination of a live migration: open the image without its write locks while
+    /// the source daemon still writes it, and take them when the frontend starts the rings
+    /// (QEMU starts them only after the source's switchover, where the source daemon makes
+    /// its writes durable and lets go). Two active writers are still refused: the rings do
+    /// not start while another writer holds the image. The source needs no flag.
+    #[arg(long)]
+    pub incoming: bool,
+
     /// Declare the image's format; `raw` is the only one vblk serves [default: probe: an
     /// image file or block device that holds qcow2, QED, VMDK, VHDX, VDI, VHD, LUKS,
     /// Parallels, DMG, Bochs or cloop is refused, since a guest writing to one served raw
@@ -358,6 +366,7 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
                     LockArg::Off => ImageLock::Off,
                 },
                 format: a.format.map(|FormatArg::Raw| Format::Raw),
+                incoming: a.incoming,
             },
         };
         config.validate().map_err(|e| e.to_string())?;
@@ -513,7 +522,8 @@ mod tests {
             c.image,
             ImageChecks {
                 lock: ImageLock::Off,
-                format: Some(Format::Raw)
+                format: Some(Format::Raw),
+                incoming: false,
             }
         );
         for (name, kind) in [("aio", EngineKind::Aio), ("threads", EngineKind::Threads)] {
@@ -555,7 +565,8 @@ mod tests {
             auto.image,
             ImageChecks {
                 lock: ImageLock::On,
-                format: None
+                format: None,
+                incoming: false,
             },
             "locks on and the format probed by default"
         );

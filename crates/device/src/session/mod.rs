@@ -85,6 +85,8 @@ pub(crate) struct Session {
     // Dropped (joined) first: workers hold requests that point into guest memory.
     workers: Vec<WorkerHandle>,
     blk: Arc<Blk>,
+    /// The disk, for handing the image over at a migration's switchover.
+    disk: Arc<Backend>,
     threads: usize,
     owner: bool,
     features_set: bool,
@@ -123,6 +125,10 @@ impl Session {
         fence: &Arc<Fence>,
     ) -> Result<Session, storage::Error> {
         let blk = Arc::new(Blk::new(config, disk));
+        if let Some(wb) = disk.remembered_writeback() {
+            // The guest chose it (here or on the source of a migration): keep to it.
+            blk.writeback.store(wb, Ordering::Relaxed);
+        }
         let num_queues = usize::from(config.num_queues);
         let threads = config.threads.clamp(1, num_queues);
         let poison = Arc::new(AtomicBool::new(false));
@@ -171,6 +177,7 @@ impl Session {
         }
         Ok(Session {
             blk,
+            disk: disk.clone(),
             threads,
             owner: false,
             features_set: false,
@@ -263,6 +270,51 @@ impl Session {
         self.features_set && self.blk.acked(feature::VHOST_USER_PROTOCOL_FEATURES)
     }
 
+    /// Take the image's write locks if this daemon does not hold them (a migration
+    /// destination, or a source whose migration failed after its switchover): the rings
+    /// may then write. Refused while another writer holds them.
+    fn take_image(&mut self, index: usize) -> Answer<()> {
+        match self.disk.activate() {
+            Ok(false) => Ok(()),
+            Ok(true) => {
+                if let Some(wb) = self.disk.remembered_writeback() {
+                    self.blk.writeback.store(wb, Ordering::Relaxed);
+                }
+                info!(
+                    "took the image over (its write locks): queue {index} starts; the guest's cache is {}",
+                    if self.blk.writeback.load(Ordering::Relaxed) {
+                        "writeback"
+                    } else {
+                        "writethrough"
+                    }
+                );
+                Ok(())
+            }
+            Err(e) => Err(refuse(format!(
+                "queue {index} cannot start: another writer still holds the image: {e}"
+            ))),
+        }
+    }
+
+    /// After a ring stop: if dirty logging is on (a live migration) and no ring runs any
+    /// more, this is the switchover: make every write durable and let go of the image, so
+    /// that the destination can take it. A restart (a failed or cancelled migration) takes
+    /// it back.
+    fn maybe_hand_over(&mut self) {
+        if self.given.is_none() || self.vrings.iter().any(|v| v.started) {
+            return;
+        }
+        match self.disk.deactivate() {
+            Ok(true) => info!(
+                "every ring stopped with dirty logging on (a migration's switchover): writes made durable, the image's write locks released for the destination"
+            ),
+            Ok(false) => {}
+            Err(e) => error!(
+                "cannot hand the image over at the switchover: {e}; the destination will find it locked"
+            ),
+        }
+    }
+
     /// Start ring `index` if everything it needs has arrived.
     fn try_start(&mut self, index: usize) -> Answer<()> {
         let protocol = self.protocol_acked();
@@ -284,6 +336,8 @@ impl Session {
         }
         let mut ring = DeviceRing::new(&self.mem, size, addrs, event_idx, v.base)
             .map_err(|e| refuse(format!("queue {index} of size {size}: {e}")))?;
+        self.take_image(index)?;
+        let v = &mut self.vrings[index];
         let (inflight, resubmit) = match &self.inflight {
             None => (None, Vec::new()),
             Some(region) => {
@@ -558,6 +612,7 @@ impl Session {
     fn get_vring_base(&mut self, index: u32) -> Answer<u16> {
         self.vring(index, "GET_VRING_BASE")?;
         let next = self.stop(index as usize)?;
+        self.maybe_hand_over();
         let v = &mut self.vrings[index as usize];
         v.kick = None;
         v.call = None;
@@ -664,6 +719,13 @@ impl Session {
                 if wb { "writeback" } else { "writethrough" }
             );
             self.blk.writeback.store(wb, Ordering::Relaxed);
+            // Kept with the image, for the daemon that serves it after a live migration
+            // (QEMU does not tell it; storage::handoff).
+            if !self.disk.remember_writeback(wb)
+                && self.disk.holding() != storage::Holding::Unlocked
+            {
+                warn!("the guest's write-cache setting cannot be kept with this disk: a migration destination would not know it");
+            }
             return Ok(());
         }
         Err(refuse(format!(

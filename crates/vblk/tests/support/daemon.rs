@@ -366,6 +366,16 @@ impl Drop for ShowLogOnPanic<'_> {
     }
 }
 
+impl Daemon {
+    /// SIGKILL the daemon and reap it (its socket stays, as a killed daemon's does).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -216,12 +216,12 @@ fn process_ended(pid: u32) -> bool {
 
 /// A QEMU process (the `timeout` wrapper leads its process group); killed
 /// with its group on drop unless it was waited for.
-struct QemuGuard(Option<Child>);
+pub struct QemuGuard(pub Option<Child>);
 
 /// Sends `signal` (a name: TERM, KILL) to process group `pgid`, through the
 /// shell's `kill` (std has no kill(2) and this crate no libc dependency).
 /// `kill -SIG -PGID` is understood by dash, bash and busybox sh alike.
-fn signal_group(pgid: u32, signal: &str) {
+pub fn signal_group(pgid: u32, signal: &str) {
     let _ = Command::new("sh")
         .arg("-c")
         .arg(format!("kill -{signal} -{pgid} 2>/dev/null"))
@@ -384,9 +384,9 @@ impl Guest {
         self
     }
 
-    /// Boots the guest, runs the script and returns the parsed results. Does
-    /// not assert: see [`Boot::assert_ok`].
-    pub fn boot(&self) -> Boot {
+    /// The initramfs of this guest (the base archive, the layers, the per-boot files) in
+    /// a fresh work directory, after checking that its disks' sockets exist.
+    pub fn prepare(&self) -> (TempDir, PathBuf) {
         require_programs(&[
             ("qemu-system-x86_64", "qemu-system-x86"),
             ("timeout", "coreutils"),
@@ -417,7 +417,11 @@ impl Guest {
         let initrd_path = work.join("initramfs.cpio");
         fs::write(&initrd_path, &initrd)
             .unwrap_or_else(|e| panic!("{}: {e}", initrd_path.display()));
+        self.check_sockets();
+        (work, initrd_path)
+    }
 
+    fn check_sockets(&self) {
         for disk in &self.disks {
             let ok = fs::metadata(&disk.socket)
                 .map(|m| m.file_type().is_socket())
@@ -429,16 +433,25 @@ impl Guest {
                 disk.socket.display()
             );
         }
+    }
 
-        let serial_path = work.join("serial.log");
-        let stderr_path = work.join("qemu.stderr");
-        let secs = match std::env::var("VBLK_GUEST_TIMEOUT_SECS") {
-            Ok(v) => v
-                .parse::<u64>()
-                .unwrap_or_else(|_| panic!("VBLK_GUEST_TIMEOUT_SECS={v}: not a number")),
-            Err(_) => self.timeout.as_secs(),
-        }
-        .max(1);
+    /// This guest's disks, with disk `i`'s socket replaced (a migration's other end).
+    pub fn with_socket(&self, i: usize, socket: impl AsRef<Path>) -> Guest {
+        let mut g = self.clone();
+        g.disks[i].socket = socket.as_ref().to_path_buf();
+        g
+    }
+
+    /// The QEMU command line of this guest (under `timeout` for `secs`), its console on
+    /// `serial` (QEMU's `-serial` argument), with `extra` arguments.
+    pub fn qemu_command(
+        &self,
+        initrd_path: &Path,
+        secs: u64,
+        serial: &str,
+        extra: &[String],
+    ) -> Command {
+        let assets = assets();
         let mut cmd = Command::new(find_program("timeout").expect("checked"));
         cmd.args(["--kill-after=10", &format!("{secs}")]);
         cmd.arg(find_program("qemu-system-x86_64").expect("checked"));
@@ -464,7 +477,7 @@ impl Guest {
         ]);
         cmd.args(["-numa", "node,memdev=mem"]);
         cmd.arg("-kernel").arg(&assets.vmlinux);
-        cmd.arg("-initrd").arg(&initrd_path);
+        cmd.arg("-initrd").arg(initrd_path);
         let mut append =
             "console=ttyS0 rdinit=/init panic=-1 oops=panic mitigations=off".to_string();
         for arg in &self.cmdline {
@@ -472,7 +485,7 @@ impl Guest {
             append.push_str(arg);
         }
         cmd.arg("-append").arg(append);
-        cmd.args(["-serial", "stdio"]);
+        cmd.args(["-serial", serial]);
         for (i, disk) in self.disks.iter().enumerate() {
             cmd.arg("-chardev").arg(format!(
                 "socket,id=vhu{i},path={}{}",
@@ -488,6 +501,28 @@ impl Guest {
             }
             cmd.arg("-device").arg(device);
         }
+        cmd.args(extra);
+        cmd
+    }
+
+    /// The limit of a QEMU run, in seconds (`$VBLK_GUEST_TIMEOUT_SECS` overrides it).
+    pub fn timeout_secs(&self) -> u64 {
+        match std::env::var("VBLK_GUEST_TIMEOUT_SECS") {
+            Ok(v) => v
+                .parse::<u64>()
+                .unwrap_or_else(|_| panic!("VBLK_GUEST_TIMEOUT_SECS={v}: not a number")),
+            Err(_) => self.timeout.as_secs(),
+        }
+        .max(1)
+    }
+
+    /// Boots the guest, runs the script and returns the parsed results. Does
+    /// not assert: see [`Boot::assert_ok`].
+    pub fn boot(&self) -> Boot {
+        let (work, initrd_path) = self.prepare();
+        let serial_path = work.join("serial.log");
+        let stderr_path = work.join("qemu.stderr");
+        let mut cmd = self.qemu_command(&initrd_path, self.timeout_secs(), "stdio", &[]);
         let serial = fs::File::create(&serial_path).expect("serial log");
         let stderr = fs::File::create(&stderr_path).expect("stderr log");
         cmd.stdin(Stdio::null())
@@ -561,7 +596,9 @@ pub struct Boot {
 }
 
 impl Boot {
-    fn parse(
+    /// The outcome of a run whose console is `serial` (several QEMU processes' consoles
+    /// joined, for a migrated guest).
+    pub fn parse(
         guest: &Guest,
         command_line: String,
         status: ExitStatus,

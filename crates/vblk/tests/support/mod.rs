@@ -9,6 +9,7 @@ pub mod daemon;
 pub mod fio;
 pub mod guest;
 pub mod layer;
+pub mod migration;
 pub mod raw_frontend;
 pub mod raw_ring;
 pub mod util;

@@ -1,0 +1,299 @@
+//! Live migration: a running guest moves between two `vblk serve` daemons on one image,
+//! back and forth, under fio with `verify=crc32c`, and loses nothing.
+//!
+//! Two daemons serve the same raw image (shared storage, here one file), both with image
+//! locking on: the first owns it, the second starts with `--incoming`. A real Linux guest
+//! (QEMU 7.2, TCG, 2 vCPUs, 2 queues) turns its disk's write cache off, then runs fio
+//! passes until the host tells it to stop: random writes of 4 KiB to 256 KiB with crc32c
+//! headers and `verify_backlog`, two jobs (one per vCPU, so both queues carry I/O) on
+//! their own 16 MiB, each pass verified; every other pass is read-heavy (a `verify_only`
+//! pass over what the pass before wrote). Meanwhile the host migrates the guest six times:
+//! from the first daemon's QEMU to a new QEMU on the second daemon (`-incoming
+//! unix:PATH`, QMP `migrate`), and back, three round trips. After the last one the host
+//! kills the daemon the guest left (`kill -9`) and tells the guest to stop (a marker in the
+//! image's last 4 KiB); the guest's last pass and a final verify must be clean, and its
+//! disk must still be write-through.
+//!
+//! The same run with every fourth request of each daemon held 200 ms before it reaches
+//! the disk (`--delay-every 4:200:hold`): every switchover then finds requests in flight,
+//! which must finish (and be logged) before the ring stop is answered. And the same run
+//! against qemu-storage-daemon (two instances, default locking), as the reference.
+//!
+//! Asserted besides the guest's checks: every migration completed; each source daemon
+//! logged the switchover (dirty logging on, writes made durable, locks released) and each
+//! destination took the image over; no daemon logged an error.
+//!
+//! Needs (Debian): qemu-system-x86, qemu-system-common, linux-image-amd64,
+//! busybox-static, fio.
+
+mod support;
+
+use std::fs;
+use std::time::{Duration, Instant};
+
+use support::assets::target_dir;
+use support::daemon::{Backend, Daemon, Export};
+use support::guest::{Boot, Guest, TempDir};
+use support::layer::fio_layer;
+use support::migration::Vm;
+
+const MIB: u64 = 1 << 20;
+/// The disk: fio uses the first 32 MiB, the stop marker is in the last 4 KiB.
+const DISK_BYTES: u64 = 128 * MIB;
+/// Migrations: three round trips.
+const MIGRATIONS: usize = 6;
+/// The most one migration may take.
+const MIGRATION_LIMIT: Duration = Duration::from_secs(90);
+
+fn script() -> String {
+    let mark = DISK_BYTES / 4096 - 1;
+    format!(
+        r#"
+dev=/dev/vda
+echo "write through" > /sys/block/vda/cache_type
+check_eq cache_off "$(cat /sys/block/vda/cache_type)" "write through"
+job="--filename=$dev --direct=1 --ioengine=libaio --iodepth=16 --numjobs=2 \
+--cpus_allowed=0-1 --cpus_allowed_policy=split --size=16M --offset_increment=16M \
+--group_reporting --verify=crc32c --bsrange=4k-256k --randrepeat=1"
+stop() {{ [ "$(dd if=$dev bs=4096 skip={mark} count=1 iflag=direct 2>/dev/null | head -c 4)" = STOP ]; }}
+echo VBLK-MIGRATE-READY
+i=0
+failed=0
+while :; do
+    seed=$((i / 2 + 1))
+    if [ $((i % 2)) -eq 0 ]; then
+        fio --name=w $job --rw=randwrite --randseed=$seed --verify_backlog=32 > /tmp/fio.out 2>&1
+    else
+        fio --name=w $job --rw=randwrite --randseed=$seed --verify_only > /tmp/fio.out 2>&1
+    fi
+    rc=$?
+    echo "VBLK-PASS $i rc=$rc"
+    if [ $rc -ne 0 ]; then
+        failed=$((failed + 1))
+        tail -c 1500 /tmp/fio.out
+    fi
+    i=$((i + 1))
+    if [ $((i % 2)) -eq 0 ] && stop; then break; fi
+    if [ $i -ge 400 ]; then break; fi
+done
+check_eq fio_passes_failed "$failed" 0
+check_gt fio_passes "$i" 1
+check final_verify fio --name=w $job --rw=randwrite --randseed=$seed --verify_only
+check_eq cache_still_off "$(cat /sys/block/vda/cache_type)" "write through"
+"#
+    )
+}
+
+/// Which daemons serve the guest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Vblk,
+    VblkDelayed,
+    QemuStorageDaemon,
+}
+
+/// One run: boot, six migrations, stop, verify. None if everything held.
+fn run(kind: Kind) -> Option<String> {
+    let name = format!("migrate-{kind:?}");
+    let dir = TempDir::new_in(&target_dir().join("tmp"), &name);
+    let image = dir.join("disk.img");
+    fs::File::create(&image)
+        .unwrap()
+        .set_len(DISK_BYTES)
+        .unwrap();
+    let (backend, mut extra): (Backend, Vec<&str>) = match kind {
+        Kind::Vblk => (Backend::Vblk, vec!["--format", "raw"]),
+        Kind::VblkDelayed => (
+            Backend::Vblk,
+            vec!["--format", "raw", "--delay-every", "4:200:hold"],
+        ),
+        Kind::QemuStorageDaemon => (Backend::QemuStorageDaemon, vec![]),
+    };
+    let export = Export::new(image.display().to_string(), 2).args(&extra);
+    let a = Daemon::start(
+        backend,
+        "daemon a",
+        &export,
+        &dir.join("a.sock"),
+        &dir.join("a.log"),
+    );
+    extra.push("--incoming");
+    let export = Export::new(image.display().to_string(), 2).args(&extra);
+    let b = Daemon::start(
+        backend,
+        "daemon b",
+        &export,
+        &dir.join("b.sock"),
+        &dir.join("b.log"),
+    );
+    let mut daemons = [a, b];
+    let guest = Guest::new(&name)
+        .disk(&daemons[0].socket, 2)
+        .layer(fio_layer())
+        .script(script())
+        .timeout(Duration::from_secs(600));
+    let (work, initrd) = guest.prepare();
+    let mut problems = Vec::new();
+    let mut consoles = Vec::new();
+    let mut vm = Vm::start(&guest, &initrd, work.path(), "vm0", None);
+    let t0 = Instant::now();
+    if !vm.wait_console("VBLK-MIGRATE-READY", Duration::from_secs(120)) {
+        problems.push("the guest did not start its fio passes".to_string());
+    }
+    let mut on = 0; // the daemon serving the guest now
+    for m in 0..MIGRATIONS {
+        if !problems.is_empty() {
+            break;
+        }
+        // Let fio run a while on this side.
+        std::thread::sleep(Duration::from_secs(2));
+        let to = 1 - on;
+        let mig = work.join(format!("mig{m}.sock"));
+        let dest_guest = guest.with_socket(0, &daemons[to].socket);
+        let dest = Vm::start(
+            &dest_guest,
+            &initrd,
+            work.path(),
+            &format!("vm{}", m + 1),
+            Some(&mig),
+        );
+        match vm.migrate_to(&dest, &mig, MIGRATION_LIMIT) {
+            Ok(r) => eprintln!(
+                "{name}: migration {m} (daemon {on} -> {to}) completed at {:.1} s: total {} ms, downtime {} ms",
+                t0.elapsed().as_secs_f64(),
+                r["total-time"],
+                r["downtime"]
+            ),
+            Err(e) => problems.push(e),
+        }
+        consoles.push(vm.console());
+        let old = std::mem::replace(&mut vm, dest);
+        if old.quit(Duration::from_secs(20)).is_none() {
+            problems.push(format!("{}: QEMU did not quit", old_name(m)));
+        }
+        on = to;
+    }
+    // The daemon the guest left is idle now; killing it must not touch the disk the other
+    // one serves.
+    if kind != Kind::QemuStorageDaemon && problems.is_empty() {
+        daemons[1 - on].kill();
+    }
+    // Tell the guest to stop: a marker it reads through its disk.
+    support::guest::write_at(&image, DISK_BYTES - 4096, b"STOP");
+    if !vm.wait_console("VBLK-DONE", Duration::from_secs(300)) {
+        problems.push("the guest did not finish after the migrations".to_string());
+    }
+    let status = vm.wait(Duration::from_secs(30));
+    consoles.push(vm.console());
+    let serial = consoles.join("\n---- (migrated) ----\n");
+    let boot = Boot::parse(
+        &guest,
+        vm.command_line.clone(),
+        status.unwrap_or_else(|| std::os::unix::process::ExitStatusExt::from_raw(9 << 8)),
+        t0.elapsed(),
+        serial,
+        fs::read_to_string(&vm.stderr).unwrap_or_default(),
+    );
+    for c in boot.failed() {
+        problems.push(format!("check {} failed: {}", c.name, c.detail));
+    }
+    if let Some(c) = boot.check("fio_passes") {
+        let during = consoles[..consoles.len() - 1]
+            .iter()
+            .map(|c| c.matches("VBLK-PASS").count())
+            .sum::<usize>();
+        eprintln!(
+            "{name}: fio passes {} ({during} finished before the last switchover)",
+            c.detail
+        );
+    }
+    for c in [
+        "cache_off",
+        "fio_passes_failed",
+        "fio_passes",
+        "final_verify",
+        "cache_still_off",
+    ] {
+        if boot.check(c).is_none() {
+            problems.push(format!("check {c} did not run"));
+        }
+    }
+    if kind != Kind::QemuStorageDaemon {
+        problems.extend(check_daemon_logs(&daemons));
+    }
+    if problems.is_empty() {
+        return None;
+    }
+    let mut report = format!("{name}: {}\n{}", problems.join("\n"), boot.report());
+    for d in &daemons {
+        report.push_str(&format!("\n---- {} ----\n{}", d.name, d.log_text()));
+    }
+    Some(report)
+}
+
+fn old_name(m: usize) -> String {
+    format!("vm{m}")
+}
+
+/// What each vblk daemon must have logged: three switchovers each way.
+fn check_daemon_logs(daemons: &[Daemon; 2]) -> Vec<String> {
+    let mut p = Vec::new();
+    for d in daemons {
+        let log = d.log_text();
+        let handed = log
+            .matches("writes made durable, the image's write locks released")
+            .count();
+        let took = log.matches("took the image over").count();
+        if handed < MIGRATIONS / 2 {
+            p.push(format!(
+                "{}: {handed} switchovers logged, want {}",
+                d.name,
+                MIGRATIONS / 2
+            ));
+        }
+        // The first daemon owned the image from the start; it takes it back twice, the
+        // second takes it three times.
+        if took < MIGRATIONS / 2 - 1 {
+            p.push(format!("{}: took the image over {took} times", d.name));
+        }
+        if !log.contains("dirty logging on") {
+            p.push(format!("{}: dirty logging never went on", d.name));
+        }
+        for l in log.lines().filter(|l| l.contains(" ERROR ")) {
+            p.push(format!("{}: {l}", d.name));
+        }
+    }
+    p
+}
+
+fn run_all(kinds: &[Kind]) {
+    let only = std::env::var("VBLK_MIGRATION_ONLY").unwrap_or_default();
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for &k in kinds {
+        if !format!("{k:?}").contains(&only) {
+            continue;
+        }
+        ran += 1;
+        let t0 = Instant::now();
+        let r = run(k);
+        eprintln!(
+            "{k:?}: {} in {:.0} s",
+            if r.is_none() { "ok" } else { "FAILED" },
+            t0.elapsed().as_secs_f64()
+        );
+        failures.extend(r);
+    }
+    assert!(ran > 0, "VBLK_MIGRATION_ONLY={only} matches nothing");
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
+fn a_guest_migrates_back_and_forth_between_two_vblk_daemons_under_fio_verify() {
+    run_all(&[Kind::Vblk, Kind::VblkDelayed]);
+}
+
+#[test]
+fn the_same_migrations_pass_against_qemu_storage_daemon() {
+    run_all(&[Kind::QemuStorageDaemon]);
+}
