@@ -16,6 +16,7 @@ const NEED_REPLY: u32 = 0x8;
 /// A session and the frontend's end of its socket.
 struct Front {
     session: Session,
+    stats: crate::stats::Stats,
     ours: UnixStream,
     theirs: UnixStream,
     _file: tempfile::NamedTempFile,
@@ -44,15 +45,10 @@ impl Front {
         );
         let (ours, theirs) = UnixStream::pair().unwrap();
         let clone = theirs.try_clone().unwrap();
+        let stats = crate::stats::Stats::new(2, 1, "test".into());
         Front {
-            session: Session::new(
-                &config,
-                &disk,
-                clone,
-                &crate::stats::Stats::new(2, 1, "test".into()),
-                &Arc::default(),
-            )
-            .unwrap(),
+            session: Session::new(&config, &disk, clone, &stats, &Arc::default()).unwrap(),
+            stats,
             ours,
             theirs,
             _file: file,
@@ -262,6 +258,53 @@ fn a_backend_channel_must_be_a_unix_stream_socket() {
     let efd = EventFd::new(0).unwrap();
     assert!(matches!(
         f.request(req::SET_BACKEND_REQ_FD, 0, &[], &[efd.as_raw_fd()]),
+        Err(SessionEnd::Refused(_))
+    ));
+}
+
+/// Dirty logging for a migration: SET_LOG_BASE is answered with a message of its own
+/// code (QEMU waits for it), and logging is on while VHOST_F_LOG_ALL is acked and a bitmap
+/// is mapped; the statistics say so.
+#[test]
+fn dirty_logging_goes_on_and_off_with_log_all() {
+    use std::os::fd::FromRawFd;
+    let mut f = Front::new(false);
+    f.handshake(protocol::LOG_SHMFD, all_features());
+    let active = |f: &Front| {
+        f.stats
+            .lifecycle
+            .log_active
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    assert_eq!(active(&f), 0);
+    // SAFETY: memfd_create with a static name; the fd is owned by the File below.
+    let fd = unsafe { libc::memfd_create(c"log".as_ptr(), libc::MFD_CLOEXEC) };
+    // SAFETY: just created, owned by nothing else.
+    let log = unsafe { std::fs::File::from_raw_fd(fd) };
+    log.set_len(16384).unwrap();
+    let p = [16384u64.to_le_bytes(), 0u64.to_le_bytes()].concat();
+    f.request(req::SET_LOG_BASE, 0, &p, &[log.as_raw_fd()])
+        .unwrap();
+    assert_eq!(
+        f.reply(req::SET_LOG_BASE).len(),
+        8,
+        "answered, as QEMU waits"
+    );
+    assert_eq!(active(&f), 0, "a bitmap alone does not turn logging on");
+    let log_all = 1u64 << 26;
+    f.set_u64(req::SET_FEATURES, all_features() | (1 << 30) | log_all)
+        .unwrap();
+    assert_eq!(active(&f), 1);
+    f.set_u64(req::SET_FEATURES, all_features() | (1 << 30))
+        .unwrap();
+    assert_eq!(active(&f), 0);
+    // A bitmap on a disk file is refused.
+    let target = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/tmp");
+    std::fs::create_dir_all(target).unwrap();
+    let disk = tempfile::tempfile_in(target).unwrap();
+    disk.set_len(16384).unwrap();
+    assert!(matches!(
+        f.request(req::SET_LOG_BASE, 0, &p, &[disk.as_raw_fd()]),
         Err(SessionEnd::Refused(_))
     ));
 }
