@@ -90,6 +90,8 @@ pub struct DeviceConfig {
     pub control_socket: Option<PathBuf>,
     /// Who may connect to the sockets the daemon creates.
     pub socket_access: crate::socket_file::SocketAccess,
+    /// How the daemon confines itself once set up.
+    pub sandbox: crate::sandbox::SandboxConfig,
     /// Files and block devices: image locking and the format probe.
     pub image: storage::ImageChecks,
     /// Tell vblk drivers (in the hint block, never the guest) that the disk is rotational:
@@ -125,6 +127,7 @@ impl Default for DeviceConfig {
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             control_socket: None,
             socket_access: Default::default(),
+            sandbox: Default::default(),
             nbd: Default::default(),
         }
     }

@@ -50,6 +50,36 @@ pub enum Error {
     /// A connection could not be set up.
     #[error("vhost-user: {0}")]
     VhostUser(String),
+    /// The sandbox could not be applied.
+    #[error(transparent)]
+    Sandbox(#[from] crate::sandbox::SandboxError),
+}
+
+/// A testing aid: once confined, the daemon tries what this names (`execve`,
+/// `open-passwd`, `socket-inet`) and logs what happened (with `--seccomp kill` the first
+/// and the last end the process).
+pub const SELFTEST_ENV: &str = "VBLK_SANDBOX_SELFTEST";
+
+/// What the sandbox must leave: the socket files to remove at exit, the TCP ports of NBD
+/// servers.
+fn sandbox_needs(
+    config: &DeviceConfig,
+    listen: &Listen,
+    control: Option<&std::path::Path>,
+) -> crate::sandbox::Needs {
+    let mut removable = Vec::new();
+    if let Listen::Path(p) = listen {
+        removable.push(p.clone());
+    }
+    removable.extend(control.map(|p| p.to_path_buf()));
+    let tcp_ports = match &config.disk {
+        storage::DiskSpec::Nbd(spec) => spec.tcp_port().into_iter().collect(),
+        _ => Vec::new(),
+    };
+    crate::sandbox::Needs {
+        removable,
+        tcp_ports,
+    }
 }
 
 /// How the daemon is told to stop or to re-read its disk's size, from another thread or a
@@ -186,11 +216,26 @@ pub fn serve(
         config.disk.to_string(),
     ));
     let control = match &config.control_socket {
-        Some(path) => {
+        Some(path) => Some(crate::stats::ControlSocket::bind(
+            path,
+            &config.socket_access,
+        )?),
+        None => None,
+    };
+    // Everything is open: the disk, the sockets, the NBD connection's first handshake.
+    // From here on the daemon is confined, and every thread it starts inherits it.
+    let needs = sandbox_needs(config, listen, control.as_ref().map(|c| c.path()));
+    let report = crate::sandbox::confine(&config.sandbox, &needs)?;
+    info!("sandbox: {report}");
+    if let Ok(what) = std::env::var(SELFTEST_ENV) {
+        crate::sandbox::selftest(&what);
+    }
+    let control = match control {
+        Some(c) => {
+            let path = c.path().to_path_buf();
             let (s, d) = (stats.clone(), disk.clone());
             let t = crate::stats::serve_control(
-                path,
-                &config.socket_access,
+                c,
                 move || s.snapshot(d.size()),
                 controls.stopped.as_raw_fd(),
             )?;

@@ -23,6 +23,8 @@
 //! - `stats`: live per-queue and per-worker counters and latency histograms, served as
 //!   JSON on the control socket (`vblk stats`).
 //! - `poll`: the adaptive polling window a worker spins in before it sleeps.
+//! - [`sandbox`]: the confinement applied once the daemon is set up: no_new_privs, no
+//!   capabilities, Landlock, a seccomp allow-list (docs/security.md).
 //! - `dirty_log`: the bitmap of guest pages the device wrote, while a live migration
 //!   copies memory (VHOST_F_LOG_ALL, LOG_SHMFD).
 //! - `fence`: the reset fence: requests from before a reset never land after requests
@@ -47,6 +49,7 @@ mod inflight;
 mod memory;
 mod poll;
 mod ring;
+pub mod sandbox;
 mod session;
 mod sigbus;
 pub mod socket_file;

@@ -279,21 +279,45 @@ impl Stats {
     }
 }
 
-/// Serve snapshots on `path`: each connection gets one JSON document, then is closed.
+/// The statistics socket, bound (before the sandbox) and not yet served.
+pub(crate) struct ControlSocket {
+    listener: std::os::unix::net::UnixListener,
+    file: SocketFile,
+}
+
+impl ControlSocket {
+    /// Bind `path` for `access`.
+    pub(crate) fn bind(path: &Path, access: &SocketAccess) -> Result<ControlSocket, SocketError> {
+        let (listener, file) = SocketFile::bind(path, access)?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|source| SocketError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Ok(ControlSocket { listener, file })
+    }
+
+    /// The socket's path.
+    pub(crate) fn path(&self) -> &Path {
+        self.file.path()
+    }
+}
+
+/// Serve snapshots on `control`: each connection gets one JSON document, then is closed.
 /// Runs until `stop_fd` becomes readable (it stays readable once the daemon stops).
 pub(crate) fn serve_control(
-    path: &Path,
-    access: &SocketAccess,
+    control: ControlSocket,
     snapshot: impl Fn() -> Value + Send + 'static,
     stop_fd: RawFd,
 ) -> Result<std::thread::JoinHandle<()>, SocketError> {
-    let (listener, file) = SocketFile::bind(path, access)?;
+    let ControlSocket { listener, file } = control;
+    let owned = file.path().to_path_buf();
     let io_err = |source| SocketError::Io {
-        path: path.to_path_buf(),
+        path: owned.clone(),
         source,
     };
-    listener.set_nonblocking(true).map_err(io_err)?;
-    let owned = path.to_path_buf();
+    let path = owned.clone();
     std::thread::Builder::new()
         .name("vblk-control".into())
         .spawn(move || loop {
@@ -326,7 +350,7 @@ pub(crate) fn serve_control(
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(e) => {
-                    log::warn!("control socket {}: {e}", owned.display());
+                    log::warn!("control socket {}: {e}", path.display());
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }

@@ -192,8 +192,16 @@ fn durable_discard_and_write_zeroes_are_flushed_before_they_complete_on_every_en
             EngineKind::Aio => CacheMode::None,
             _ => CacheMode::Writeback,
         };
+        // No image locks: a dropped io_uring engine's ring lets go of the file (and its
+        // locks) a moment after the drop, in the kernel, and the next engine would find
+        // them held.
         let opts = OpenOptions {
             cache,
+            image: vblk_storage::ImageChecks {
+                lock: vblk_storage::ImageLock::Off,
+                format: Some(vblk_storage::Format::Raw),
+                incoming: false,
+            },
             ..Default::default()
         };
         let b = Backend::open(&DiskSpec::File(disk.file.clone()), &opts)

@@ -46,6 +46,26 @@ pub struct ServeArgs {
     #[arg(long)]
     pub print_capabilities: bool,
 
+    /// Print the system calls the seccomp allow-list lets through once the daemon is set
+    /// up, one per line (those checked by argument marked `(args)`), and exit: for a
+    /// service manager's filter (systemd's SystemCallFilter=).
+    #[arg(long)]
+    pub print_syscalls: bool,
+
+    /// What a system call outside the daemon's allow-list does once it is set up: `kill`
+    /// ends the process (SECCOMP_RET_KILL_PROCESS), `trap` reports the call and the thread
+    /// on stderr and exits, `log` lets it through and the kernel logs it (to build a list
+    /// for a new platform), `off` installs no filter. See docs/security.md.
+    #[arg(long, value_name = "MODE", default_value = "kill")]
+    pub seccomp: device::sandbox::SeccompMode,
+
+    /// Confine the filesystem with Landlock once the daemon is set up: it can then open no
+    /// file (the disk, the sockets and the NBD connections are open already) and connect
+    /// over TCP only to the NBD server's port. `off` for kernels whose Landlock gets in the
+    /// way; without Landlock in the kernel the daemon says so and goes on.
+    #[arg(long, value_name = "on|off", default_value = "on", value_parser = parse_on_off)]
+    pub landlock: bool,
+
     /// The disk: a raw image file or block device (PATH), a RAM disk (mem:SIZE, e.g.
     /// mem:1G), a null disk (null:SIZE: reads return zeroes, writes are dropped), a
     /// simulated 7200 rpm hard disk (hdd:SIZE: a RAM disk whose requests take the time a
@@ -261,6 +281,14 @@ impl std::str::FromStr for CpuList {
     }
 }
 
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{s:?}: expected on or off")),
+    }
+}
+
 fn parse_cache(s: &str) -> Result<CacheMode, String> {
     s.parse().map_err(|e: storage::Error| e.to_string())
 }
@@ -355,6 +383,11 @@ impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
             socket_access: device::socket_file::SocketAccess {
                 group: a.socket_group,
             },
+            sandbox: device::sandbox::SandboxConfig {
+                seccomp: a.seccomp,
+                landlock: a.landlock,
+                drop_caps: true,
+            },
             nbd: NbdOptions {
                 reconnect: Duration::from_secs(a.nbd_reconnect_secs),
                 timeout: Duration::from_secs(a.nbd_timeout_secs.max(1)),
@@ -380,10 +413,30 @@ pub fn run(args: ServeArgs) -> Result<(), Box<dyn Error>> {
         println!("{}", capabilities());
         return Ok(());
     }
+    if args.print_syscalls {
+        use device::sandbox::seccomp::{ALLOWED, CONDITIONAL};
+        for (name, _) in ALLOWED {
+            println!("{name}");
+        }
+        for (name, _) in CONDITIONAL {
+            println!("{name} (args)");
+        }
+        return Ok(());
+    }
     let (config, listen) = <(DeviceConfig, Listen)>::try_from(args)?;
     let controls = Arc::new(Controls::new()?);
-    handle_signals(controls.clone())?;
-    device::serve(&config, &listen, &controls, &mut || {})?;
+    let set = block_signals()?;
+    // The signal thread starts once the daemon is confined, so that it is too.
+    let c = controls.clone();
+    let mut started = false;
+    device::serve(&config, &listen, &controls, &mut || {
+        if !started {
+            started = true;
+            if let Err(e) = wait_for_signals(set, c.clone()) {
+                log::error!("cannot start the signal thread: {e}");
+            }
+        }
+    })?;
     log::info!("stopped");
     Ok(())
 }
@@ -391,7 +444,9 @@ pub fn run(args: ServeArgs) -> Result<(), Box<dyn Error>> {
 /// SIGTERM and SIGINT stop the daemon cleanly (a second one exits at once, status 130);
 /// SIGHUP makes it re-read the disk's size. The signals are blocked in every thread and
 /// taken by one thread with `sigwait`, so no signal handler runs inside the daemon.
-fn handle_signals(controls: Arc<Controls>) -> std::io::Result<()> {
+/// Block SIGTERM, SIGINT and SIGHUP in this (the main) thread before any other thread
+/// starts, so that all inherit the mask and one thread takes them with `sigwait`.
+fn block_signals() -> std::io::Result<libc::sigset_t> {
     // SAFETY: sigset_t is plain data; sigemptyset initialises it.
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
     // SAFETY: `set` is a live sigset_t; the signal numbers are valid. pthread_sigmask on
@@ -406,6 +461,11 @@ fn handle_signals(controls: Arc<Controls>) -> std::io::Result<()> {
             return Err(std::io::Error::from_raw_os_error(r));
         }
     }
+    Ok(set)
+}
+
+/// Start the thread that takes the blocked signals.
+fn wait_for_signals(set: libc::sigset_t, controls: Arc<Controls>) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("vblk-signals".into())
         .spawn(move || {

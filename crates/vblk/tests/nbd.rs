@@ -317,3 +317,72 @@ fn a_session_that_cannot_reach_the_server_ends_only_itself() {
     assert_eq!(std::fs::read(&img).unwrap()[..4096], [0x3c; 4096]);
     d.assert_running("at the end");
 }
+
+/// An NBD server over TCP, named by host name, restarted while `vblk serve` (confined:
+/// seccomp, Landlock, no capabilities) serves it: the daemon reconnects (a TCP socket to
+/// the server's port, the name's addresses found when it started) and the data is there.
+#[test]
+fn a_tcp_server_by_name_is_reconnected_to_from_inside_the_sandbox() {
+    let dir = temp_dir("vblk-nbd-");
+    let img = dir.path().join("disk.img");
+    std::fs::write(&img, vec![0u8; 16 * MIB]).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let nbdkit = find_program("nbdkit").expect("nbdkit (Debian package nbdkit)");
+    let start = || {
+        let mut cmd = Command::new(&nbdkit);
+        cmd.args(["-f", "-i", "127.0.0.1", "-p", &port.to_string(), "file"])
+            .arg(&img)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        die_with_parent(&mut cmd);
+        let child = cmd.spawn().unwrap();
+        let t0 = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "nbdkit did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        child
+    };
+    let mut server = start();
+    let sock = dir.path().join("vblk.sock");
+    let uri = format!("nbd://localhost:{port}/");
+    let d = Daemon::start(
+        Backend::Vblk,
+        "vblk serve (nbd tcp)",
+        &Export::new(&uri, 1).args(&["--nbd-reconnect-secs", "20"]),
+        &sock,
+        &dir.path().join("serve.log"),
+    );
+    assert!(d.log_text().contains("seccomp:"), "{}", d.log_text());
+    let disk = Disk::attach(&sock, &DiskOptions::default()).unwrap();
+    let mut q = disk.take_queue(0).unwrap();
+    let write = |q: &mut driver::Queue, fill: u8, at: u64| {
+        let mut b = q.alloc(8192).unwrap();
+        b.fill(fill);
+        q.write(at, b, u64::from(fill)).unwrap();
+        let c = q.wait(Some(IO_TIMEOUT)).unwrap();
+        assert!(c.result.is_ok(), "{:?}", c.result);
+        q.flush_sync().unwrap();
+    };
+    write(&mut q, 0x21, 0);
+    // The server restarts: the next write waits for the reconnection.
+    let _ = server.kill();
+    let _ = server.wait();
+    server = start();
+    write(&mut q, 0x42, 65536);
+    drop(q);
+    drop(disk);
+    let data = std::fs::read(&img).unwrap();
+    assert!(data[..8192].iter().all(|&b| b == 0x21));
+    assert!(data[65536..65536 + 8192].iter().all(|&b| b == 0x42));
+    assert!(!d.log_text().contains(" ERROR "), "{}", d.log_text());
+    let _ = server.kill();
+    let _ = server.wait();
+}

@@ -83,12 +83,42 @@ fn left(deadline: Instant) -> io::Result<Duration> {
     Ok(d)
 }
 
+/// Names looked up so far, and what they gave: a name is looked up once per process, the
+/// first time (when the disk is opened, before `vblk serve` confines itself: afterwards
+/// the files a lookup reads, /etc/hosts and /etc/resolv.conf, cannot be opened), and
+/// reconnections use the addresses found then.
+static RESOLVED: std::sync::Mutex<Vec<Resolved>> = std::sync::Mutex::new(Vec::new());
+
+/// A name and port, and the addresses they gave.
+type Resolved = ((String, u16), Vec<SocketAddr>);
+
 /// The addresses of `host`; a name is looked up on a helper thread, given up on at
-/// `deadline`.
+/// `deadline`, and only once per process (see [`RESOLVED`]).
 fn resolve(host: &str, port: u16, deadline: Instant) -> io::Result<Vec<SocketAddr>> {
     if let Ok(ip) = host.parse::<IpAddr>() {
         return Ok(vec![SocketAddr::new(ip, port)]);
     }
+    let key = (host.to_owned(), port);
+    if let Some((_, a)) = RESOLVED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .find(|(k, _)| *k == key)
+    {
+        return Ok(a.clone());
+    }
+    let found = lookup(host, port, deadline)?;
+    if !found.is_empty() {
+        RESOLVED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((key, found.clone()));
+    }
+    Ok(found)
+}
+
+/// A lookup on a helper thread, given up on at `deadline`.
+fn lookup(host: &str, port: u16, deadline: Instant) -> io::Result<Vec<SocketAddr>> {
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     let name = host.to_owned();
     std::thread::Builder::new()

@@ -33,6 +33,14 @@ pub struct NbdSpec {
 }
 
 impl NbdSpec {
+    /// The server's TCP port, for a server reached over TCP.
+    pub fn tcp_port(&self) -> Option<u16> {
+        match &self.addr {
+            NbdAddr::Tcp { port, .. } => Some(*port),
+            NbdAddr::Unix(_) => None,
+        }
+    }
+
     /// Whether `s` is meant as an NBD URI (it starts with an `nbd` scheme).
     pub fn looks_like_uri(s: &str) -> bool {
         let lower = s.get(..4).map(|p| p.to_ascii_lowercase());
