@@ -18,18 +18,7 @@ ROUNDS=${3:-5}
 RUNTIME=${4:-3}
 PATHS=${5:-"bio batch"}
 
-build() {
-  if [ -x "$1" ]; then echo "$1"; return; fi
-  local sha dir
-  sha=$(git rev-parse --short "$1")
-  dir=/var/tmp/vblk-ab/$sha
-  if [ ! -x "$dir/target/release/vblk" ]; then
-    mkdir -p /var/tmp/vblk-ab
-    [ -d "$dir" ] || git worktree add --detach "$dir" "$sha" >&2
-    (cd "$dir" && cargo build --release -q -p vblk >&2)
-  fi
-  echo "$dir/target/release/vblk"
-}
+. bench/lib/build-rev.sh
 VA=$(build "$A")
 VB=$(build "$B")
 D=$(mktemp -d /var/tmp/vblk-driver-ab.XXXXXX)
