@@ -11,7 +11,7 @@ use storage::{CacheMode, DiskSpec, EngineKind};
 use crate::job::{apply_option, JobSpec};
 use crate::report::{self, Row};
 use crate::run::{run_job, JobReport, Progress, RunConfig};
-use crate::target::{Target, TargetSpec};
+use crate::target::{EmbeddedDevice, Target, TargetSpec};
 
 /// Output format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -115,10 +115,10 @@ pub fn apply_variant(
             *engine_threads = value.parse().map_err(|_| bad("not a number"))?
         }
         ("poll_us", TargetSpec::Embedded(c)) => {
-            c.poll_us = value.parse().map_err(|_| bad("not a number"))?
+            c.daemon.poll_us = value.parse().map_err(|_| bad("not a number"))?
         }
         ("threads", TargetSpec::Embedded(c)) => {
-            c.threads = value.parse().map_err(|_| bad("not a number"))?
+            c.daemon.threads = value.parse().map_err(|_| bad("not a number"))?
         }
         ("submit_batch", TargetSpec::Embedded(c)) => {
             c.submit_batch = Some(value.parse().map_err(|_| bad("not a number"))?)
@@ -189,13 +189,17 @@ fn switch_target(t: &TargetSpec, to: &str) -> Result<TargetSpec, String> {
         TargetSpec::Socket { .. } => return Err("cannot switch away from --socket".into()),
     };
     match to {
-        "embedded" => Ok(TargetSpec::Embedded(Box::new(device::DeviceConfig {
-            disk,
-            engine,
-            cache,
-            engine_threads,
-            ..embedded_defaults()
-        }))),
+        "embedded" => {
+            let mut e = embedded_defaults();
+            e.device = device::DeviceConfig {
+                disk,
+                engine,
+                cache,
+                engine_threads,
+                ..e.device
+            };
+            Ok(TargetSpec::Embedded(Box::new(e)))
+        }
         "baseline" => Ok(TargetSpec::Baseline {
             disk,
             engine,
@@ -208,13 +212,20 @@ fn switch_target(t: &TargetSpec, to: &str) -> Result<TargetSpec, String> {
 
 /// The embedded device vblk bench starts by default: a 1 GiB RAM disk on io_uring,
 /// preallocated so that no measurement pays for first-touch page faults.
-pub fn embedded_defaults() -> device::DeviceConfig {
-    device::DeviceConfig {
-        disk: DiskSpec::Mem(1 << 30),
-        engine: EngineKind::IoUring,
-        cache: CacheMode::Writeback,
-        prealloc: true,
-        ..Default::default()
+pub fn embedded_defaults() -> EmbeddedDevice {
+    EmbeddedDevice {
+        daemon: device::DaemonConfig {
+            // Nothing to confine: the device runs in the benchmark's own process.
+            sandbox: device::sandbox::SandboxConfig::none(),
+            ..Default::default()
+        },
+        device: device::DeviceConfig {
+            disk: DiskSpec::Mem(1 << 30),
+            engine: EngineKind::IoUring,
+            cache: CacheMode::Writeback,
+            prealloc: true,
+            ..Default::default()
+        },
     }
 }
 
@@ -318,10 +329,10 @@ fn run_one(
     let mut target = target.clone();
     let mut run = run.clone();
     if let (true, TargetSpec::Embedded(c)) = (run.pin, &mut target) {
-        let threads = c.threads.clamp(1, jobs);
+        let threads = c.daemon.threads.clamp(1, jobs);
         if let Some((j, d)) = auto_pin(jobs, threads, device::config::cpu_count()) {
             run.job_cpus = j;
-            c.cpus = d;
+            c.daemon.cpus = d;
         }
     }
     let (target, run) = (&target, &run);

@@ -6,19 +6,42 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use device::DeviceConfig;
+use device::{DaemonConfig, DeviceConfig};
 use driver::{Disk, DiskOptions, PathKind, QueueOptions, RequestOptions};
 use storage::{Backend, CacheMode, DiskSpec, EngineKind, OpenOptions, POOL_THREAD_PREFIX};
 
 use crate::lane::{DriverLane, EngineLane, Lane, PassthruLane};
 use crate::stats::ThreadSample;
 
+/// The device `vblk bench` starts in its own process: the daemon's settings (worker
+/// threads, polling, CPUs) and its one disk's. Derefs to the disk's.
+#[derive(Clone, Debug)]
+pub struct EmbeddedDevice {
+    /// The daemon's settings.
+    pub daemon: DaemonConfig,
+    /// The disk's.
+    pub device: DeviceConfig,
+}
+
+impl std::ops::Deref for EmbeddedDevice {
+    type Target = DeviceConfig;
+    fn deref(&self) -> &DeviceConfig {
+        &self.device
+    }
+}
+
+impl std::ops::DerefMut for EmbeddedDevice {
+    fn deref_mut(&mut self) -> &mut DeviceConfig {
+        &mut self.device
+    }
+}
+
 /// Where to run.
 #[derive(Clone, Debug)]
 pub enum TargetSpec {
     /// A vblk device started in this process on a private socket (its queue count is set
     /// to what the job needs).
-    Embedded(Box<DeviceConfig>),
+    Embedded(Box<EmbeddedDevice>),
     /// Any vhost-user-blk device; `device_pid` lets its CPU time be read from /proc.
     Socket {
         /// The device's socket.
@@ -93,9 +116,9 @@ impl Target {
     pub fn open(spec: &TargetSpec, queues: u16) -> Result<Target, String> {
         match spec {
             TargetSpec::Embedded(cfg) => {
-                let mut cfg = DeviceConfig::clone(cfg);
-                cfg.num_queues = queues.max(1);
-                cfg.threads = cfg.threads.clamp(1, usize::from(cfg.num_queues));
+                let mut cfg = EmbeddedDevice::clone(cfg);
+                cfg.device.num_queues = queues.max(1);
+                cfg.daemon.threads = cfg.daemon.threads.clamp(1, usize::from(queues.max(1)));
                 let dir = tempfile::tempdir().map_err(|e| format!("temp dir: {e}"))?;
                 let socket = dir.path().join("embedded.sock");
                 let stop = Arc::new(
@@ -103,13 +126,18 @@ impl Target {
                         .map_err(|e| format!("cannot start the embedded device: {e}"))?,
                 );
                 let (tx, rx) = mpsc::channel();
-                let listen = device::Listen::Path(socket.clone());
+                let disk = device::ServedDisk {
+                    id: "embedded".into(),
+                    listen: device::Listen::Path(socket.clone()),
+                    config: cfg.device.clone(),
+                    spec: String::new(),
+                };
                 let stop2 = stop.clone();
                 let thread = std::thread::Builder::new()
                     .name("vblk-embedded".into())
                     .spawn(move || {
                         let txe = tx.clone();
-                        if let Err(e) = device::serve(&cfg, &listen, &stop2, &mut || {
+                        if let Err(e) = device::serve(&cfg.daemon, vec![disk], &stop2, &mut || {
                             let _ = tx.send(Ok(()));
                         }) {
                             let _ = txe.send(Err(e.to_string()));
@@ -172,8 +200,8 @@ impl Target {
                 "embedded vblk device: {}, engine {}, {} worker(s), poll {} µs",
                 c.disk,
                 engine_label(c.engine, c.engine_threads),
-                c.threads,
-                c.poll_us
+                c.daemon.threads,
+                c.daemon.poll_us
             ),
             TargetSpec::Socket { path, .. } => {
                 format!("vhost-user-blk device at {}", path.display())

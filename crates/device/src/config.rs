@@ -45,7 +45,108 @@ pub enum Listen {
     Fd(RawFd),
 }
 
-/// Everything `vblk serve` needs to know.
+/// What the daemon as a whole does, whatever disks it serves.
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    /// Worker threads, shared by every disk: a disk's queue `i` is served by its worker
+    /// `i % min(threads, queues)`, and a disk's workers go on consecutive threads starting
+    /// at a thread of its own (the disks spread over the threads).
+    pub threads: usize,
+    /// Polling window in microseconds (0: never spin), per worker thread.
+    pub poll_us: u64,
+    /// CPUs to run worker threads on: thread t on `cpus[t % len]` (empty: wherever the
+    /// scheduler puts them).
+    pub cpus: Vec<usize>,
+    /// Serve statistics and disk management on this Unix socket (`vblk stats PATH`,
+    /// `vblk disk ... PATH`).
+    pub control_socket: Option<PathBuf>,
+    /// Who may connect to the control socket.
+    pub control_access: crate::socket_file::SocketAccess,
+    /// How the daemon confines itself once set up.
+    pub sandbox: crate::sandbox::SandboxConfig,
+    /// TCP ports the sandbox lets the daemon connect to besides those of the NBD disks it
+    /// starts with: for NBD disks added later.
+    pub nbd_ports: Vec<u16>,
+    /// Parses the disks clients add through the control socket (None: none can be).
+    pub disk_parser: Option<crate::control::DiskParser>,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        DaemonConfig {
+            threads: 1,
+            poll_us: DEFAULT_POLL_US,
+            cpus: Vec::new(),
+            control_socket: None,
+            control_access: Default::default(),
+            sandbox: Default::default(),
+            nbd_ports: Vec::new(),
+            disk_parser: None,
+        }
+    }
+}
+
+/// Most worker threads.
+pub const MAX_THREADS: usize = 256;
+
+impl DaemonConfig {
+    /// Check every value; the message names the flag and the number.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.threads == 0 || self.threads > MAX_THREADS {
+            return Err(ConfigError::Threads(self.threads));
+        }
+        if self.poll_us > 1_000_000 {
+            return Err(ConfigError::PollUs(self.poll_us));
+        }
+        let count = cpu_count();
+        if let Some(&cpu) = self.cpus.iter().find(|&&c| c >= count) {
+            return Err(ConfigError::Cpu { cpu, count });
+        }
+        Ok(())
+    }
+}
+
+/// One disk the daemon serves: its name, where it listens, how it is served.
+#[derive(Clone, Debug)]
+pub struct ServedDisk {
+    /// The name the control socket and the statistics know it by (`vblk disk remove ID`).
+    pub id: String,
+    /// Its socket.
+    pub listen: Listen,
+    /// How it is served.
+    pub config: DeviceConfig,
+    /// How it was described (`--disk` or a `[[disk]]` table as KEY=VALUE,...; empty for
+    /// a one-disk command line): `vblk disk list` shows it, `vblk disk sync` compares it.
+    pub spec: String,
+}
+
+impl ServedDisk {
+    /// Check the name and the configuration.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        check_id(&self.id)?;
+        self.config.validate()
+    }
+}
+
+/// Longest disk name.
+pub const MAX_ID_LEN: usize = 64;
+
+/// A disk name: 1 to 64 of `A-Z a-z 0-9 . _ -`, not starting with `-` or `.`.
+pub fn check_id(id: &str) -> Result<(), ConfigError> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_ID_LEN
+        && !id.starts_with(['-', '.'])
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::Id(id.to_string()))
+    }
+}
+
+/// How one disk is served.
 #[derive(Clone, Debug)]
 pub struct DeviceConfig {
     /// The disk.
@@ -60,19 +161,12 @@ pub struct DeviceConfig {
     pub serial: Option<String>,
     /// Number of virtqueues.
     pub num_queues: u16,
-    /// Number of worker threads.
-    pub threads: usize,
     /// Largest virtqueue size accepted.
     pub queue_size: u16,
     /// Storage engine.
     pub engine: EngineKind,
     /// Threads of each `threads` engine's pool (one pool per worker).
     pub engine_threads: usize,
-    /// Polling window in microseconds (0: never spin).
-    pub poll_us: u64,
-    /// CPUs to run workers on: worker t on `cpus[t % len]` (empty: wherever the
-    /// scheduler puts them).
-    pub cpus: Vec<usize>,
     /// Most requests handed to the engine per submit call (0: one submit per pass; None:
     /// [`auto_submit_batch`] for the cache mode).
     pub submit_batch: Option<u32>,
@@ -86,12 +180,8 @@ pub struct DeviceConfig {
     /// How long stopping a ring (GET_VRING_BASE: reset, reboot, shutdown) waits for the
     /// ring's requests; those still out then are fenced (`fence`).
     pub drain_timeout: Duration,
-    /// Serve statistics snapshots on this Unix socket (`vblk stats PATH`).
-    pub control_socket: Option<PathBuf>,
-    /// Who may connect to the sockets the daemon creates.
+    /// Who may connect to the disk's socket, when the daemon creates it.
     pub socket_access: crate::socket_file::SocketAccess,
-    /// How the daemon confines itself once set up.
-    pub sandbox: crate::sandbox::SandboxConfig,
     /// Files and block devices: image locking and the format probe.
     pub image: storage::ImageChecks,
     /// Tell vblk drivers (in the hint block, never the guest) that the disk is rotational:
@@ -112,12 +202,9 @@ impl Default for DeviceConfig {
             prealloc: false,
             serial: None,
             num_queues: DEFAULT_NUM_QUEUES,
-            threads: 1,
             queue_size: DEFAULT_QUEUE_SIZE,
             engine: EngineKind::default(),
             engine_threads: storage::DEFAULT_ENGINE_THREADS,
-            poll_us: DEFAULT_POLL_US,
-            cpus: Vec::new(),
             submit_batch: None,
             image: Default::default(),
             allow_shrink: false,
@@ -125,9 +212,7 @@ impl Default for DeviceConfig {
             rotational: None,
             delay: None,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
-            control_socket: None,
             socket_access: Default::default(),
-            sandbox: Default::default(),
             nbd: Default::default(),
         }
     }
@@ -146,13 +231,11 @@ pub enum ConfigError {
     #[error("--queue-size {0}: must be a power of two between 4 and 32768")]
     QueueSize(u16),
     /// Thread count out of range.
-    #[error("--threads {threads}: must be between 1 and the number of queues ({queues})")]
-    Threads {
-        /// Threads asked for.
-        threads: usize,
-        /// Queues.
-        queues: u16,
-    },
+    #[error("--threads {0}: must be between 1 and 256")]
+    Threads(usize),
+    /// A disk name that cannot be one.
+    #[error("disk id {0:?}: must be 1 to 64 of A-Z a-z 0-9 . _ - (not starting with - or .)")]
+    Id(String),
     /// Serial too long.
     #[error("--serial {serial:?} is {len} bytes; GET_ID holds at most 20")]
     Serial {
@@ -189,12 +272,6 @@ impl DeviceConfig {
         {
             return Err(ConfigError::QueueSize(self.queue_size));
         }
-        if self.threads == 0 || self.threads > usize::from(self.num_queues) {
-            return Err(ConfigError::Threads {
-                threads: self.threads,
-                queues: self.num_queues,
-            });
-        }
         if let Some(s) = &self.serial {
             if s.len() > proto::wire::ID_BYTES {
                 return Err(ConfigError::Serial {
@@ -206,22 +283,10 @@ impl DeviceConfig {
         if self.drain_timeout < Duration::from_secs(1) || self.drain_timeout > MAX_DRAIN_TIMEOUT {
             return Err(ConfigError::DrainTimeout(self.drain_timeout.as_secs()));
         }
-        if self.poll_us > 1_000_000 {
-            return Err(ConfigError::PollUs(self.poll_us));
-        }
         if self.engine_threads == 0 || self.engine_threads > storage::MAX_ENGINE_THREADS {
             return Err(ConfigError::EngineThreads(self.engine_threads));
         }
-        let count = cpu_count();
-        if let Some(&cpu) = self.cpus.iter().find(|&&c| c >= count) {
-            return Err(ConfigError::Cpu { cpu, count });
-        }
         Ok(())
-    }
-
-    /// The worker that serves queue `queue`: queue `i` goes to worker `i % threads`.
-    pub fn worker_of(&self, queue: usize) -> usize {
-        queue % self.threads.max(1)
     }
 }
 
@@ -299,12 +364,9 @@ mod tests {
     fn validate_names_the_flag_and_number() {
         let ok = DeviceConfig {
             num_queues: 4,
-            threads: 2,
             ..Default::default()
         };
         assert_eq!(ok.validate(), Ok(()));
-        assert_eq!(ok.worker_of(0), 0);
-        assert_eq!(ok.worker_of(3), 1);
         assert_eq!(DeviceConfig::default().validate(), Ok(()));
         // A queue past 255 could never get its kick, call and error descriptors (their
         // messages carry an 8-bit index): refused, not offered.
@@ -329,15 +391,17 @@ mod tests {
             };
             assert!(bad.validate().is_err(), "drain timeout {secs} s");
         }
-        let bad = DeviceConfig {
-            threads: 3,
-            num_queues: 2,
-            ..Default::default()
-        };
-        assert_eq!(
-            bad.validate().unwrap_err().to_string(),
-            "--threads 3: must be between 1 and the number of queues (2)"
-        );
+        for threads in [0, 257] {
+            let bad = DaemonConfig {
+                threads,
+                ..Default::default()
+            };
+            assert_eq!(
+                bad.validate().unwrap_err().to_string(),
+                format!("--threads {threads}: must be between 1 and 256")
+            );
+        }
+        assert_eq!(DaemonConfig::default().validate(), Ok(()));
         let bad = DeviceConfig {
             queue_size: 100,
             ..Default::default()
@@ -348,7 +412,7 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.validate().is_err());
-        let bad = DeviceConfig {
+        let bad = DaemonConfig {
             cpus: vec![4096],
             ..Default::default()
         };
@@ -366,6 +430,16 @@ mod tests {
                 bad.validate().unwrap_err().to_string(),
                 format!("--engine-threads {n}: must be between 1 and 64")
             );
+        }
+    }
+
+    #[test]
+    fn disk_ids() {
+        for ok in ["vm1", "a", "VM-1.disk_2", &"x".repeat(64)] {
+            assert_eq!(check_id(ok), Ok(()), "{ok}");
+        }
+        for bad in ["", "-x", ".x", "a/b", "a b", "é", &"x".repeat(65)] {
+            assert!(check_id(bad).is_err(), "{bad}");
         }
     }
 

@@ -1,30 +1,22 @@
-//! Listening for frontends: one at a time, and back to listening when one leaves.
-//!
-//! A connection whose session cannot be set up (the disk refuses a new engine: an NBD
-//! server briefly down) is closed and the next one is served; so is a frontend that sends
-//! part of a message and then nothing for [`MESSAGE_TIMEOUT`], or does not read its
-//! replies. Only the listening socket failing ends the daemon.
+//! The daemon: it opens every disk it starts with and takes their sockets, confines
+//! itself, starts the shared worker threads and one thread per disk (disk.rs), serves the
+//! control socket (statistics and live disk management, control.rs) and waits for a
+//! signal: stop, or re-read the disks' sizes.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, RawFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
-use log::{error, info, warn};
-use storage::{Backend, OpenOptions};
+use log::{error, info};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::config::{ConfigError, DeviceConfig, Listen};
-use crate::fence::Fence;
-use crate::session::{Session, SessionEnd};
-use crate::socket_file::{SocketError, SocketFile};
-use crate::stats::Stats;
-
-/// How long the rest of a message may take once its first byte came, and how long a reply
-/// may wait for the frontend to read.
-pub const MESSAGE_TIMEOUT: Duration = Duration::from_secs(5);
+use crate::config::{ConfigError, DaemonConfig, Listen, ServedDisk};
+use crate::disk::OpenedDisk;
+pub use crate::disk::MESSAGE_TIMEOUT;
+use crate::registry::Registry;
+use crate::socket_file::SocketError;
+use crate::worker::{Pool, PoolConfig};
 
 /// Why the daemon could not start or had to stop.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +42,9 @@ pub enum Error {
     /// A connection could not be set up.
     #[error("vhost-user: {0}")]
     VhostUser(String),
+    /// Two disks with one name or one socket.
+    #[error("{0}")]
+    Duplicate(String),
     /// The sandbox could not be applied.
     #[error(transparent)]
     Sandbox(#[from] crate::sandbox::SandboxError),
@@ -63,27 +58,31 @@ pub const SELFTEST_ENV: &str = "VBLK_SANDBOX_SELFTEST";
 /// What the sandbox must leave: the socket files to remove at exit, the TCP ports of NBD
 /// servers.
 fn sandbox_needs(
-    config: &DeviceConfig,
-    listen: &Listen,
+    daemon: &DaemonConfig,
+    disks: &[(ServedDisk, Option<std::fs::File>)],
     control: Option<&std::path::Path>,
 ) -> crate::sandbox::Needs {
     let mut removable = Vec::new();
-    if let Listen::Path(p) = listen {
-        removable.push(p.clone());
+    let mut tcp_ports = daemon.nbd_ports.clone();
+    for (d, _) in disks {
+        if let Listen::Path(p) = &d.listen {
+            removable.push(p.clone());
+        }
+        if let storage::DiskSpec::Nbd(spec) = &d.config.disk {
+            tcp_ports.extend(spec.tcp_port());
+        }
     }
     removable.extend(control.map(|p| p.to_path_buf()));
-    let tcp_ports = match &config.disk {
-        storage::DiskSpec::Nbd(spec) => spec.tcp_port().into_iter().collect(),
-        _ => Vec::new(),
-    };
+    tcp_ports.sort_unstable();
+    tcp_ports.dedup();
     crate::sandbox::Needs {
         removable,
         tcp_ports,
     }
 }
 
-/// How the daemon is told to stop or to re-read its disk's size, from another thread or a
-/// signal handler thread: set a flag and wake the daemon's poll.
+/// How the daemon (or one disk of it) is told to stop or to re-read its disk's size, from
+/// another thread or a signal handler thread: set a flag and wake the daemon's poll.
 #[derive(Debug)]
 pub struct Controls {
     efd: EventFd,
@@ -117,130 +116,115 @@ impl Controls {
         let _ = self.efd.write(1);
     }
 
-    fn stopping(&self) -> bool {
+    pub(crate) fn stopping(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
     }
 
-    fn take_resize(&self) -> bool {
+    pub(crate) fn take_resize(&self) -> bool {
         self.resize.swap(false, Ordering::SeqCst)
     }
-}
 
-/// Re-read the disk's size (SIGHUP); tell the frontend if it changed.
-fn resize(disk: &Backend, config: &DeviceConfig, session: Option<&mut Session>) {
-    match disk.refresh_size(config.allow_shrink) {
-        Ok((old, new)) if old == new => info!("resize: the disk is still {new} bytes"),
-        Ok((old, new)) => {
-            info!("resize: the disk is now {new} bytes (was {old})");
-            if let Some(s) = session {
-                s.capacity_changed(new >> proto::wire::SECTOR_SHIFT);
-            }
-        }
-        Err(e) => error!("resize refused: {e}"),
+    /// Readable while something is asked ([`Controls::clear_wake`] clears it).
+    pub(crate) fn wake_fd(&self) -> RawFd {
+        self.efd.as_raw_fd()
+    }
+
+    pub(crate) fn clear_wake(&self) {
+        let _ = self.efd.read();
+    }
+
+    /// Readable once stopped, forever.
+    pub(crate) fn stopped_fd(&self) -> RawFd {
+        self.stopped.as_raw_fd()
     }
 }
 
-/// What woke the daemon up.
-enum Wake {
-    Socket,
-    Controls,
-}
-
-/// Wait until `fd` is readable or the controls fire.
-fn wait(fd: RawFd, controls: &Controls) -> io::Result<Wake> {
-    let mut fds = [
-        libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: controls.efd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
-    loop {
-        // SAFETY: two live pollfd structures.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if fds[1].revents != 0 {
-            let _ = controls.efd.read();
-            return Ok(Wake::Controls);
-        }
-        return Ok(Wake::Socket);
-    }
-}
-
-/// Serve the disk in `config` on `listen` until `controls` says stop (then the requests
-/// in flight finish, a write cache is flushed and a socket the daemon created is removed)
-/// or a fatal error happens. `ready` is called once the socket listens.
+/// Serve `disks` (each with its image already open, when a client opened it) until
+/// `controls` says stop (then each disk's requests in flight finish, its write cache is
+/// flushed and a socket the daemon created is removed) or a disk's listening socket fails.
+/// `ready` is called once every socket listens.
 pub fn serve(
-    config: &DeviceConfig,
-    listen: &Listen,
-    controls: &Controls,
+    daemon: &DaemonConfig,
+    disks: Vec<ServedDisk>,
+    controls: &Arc<Controls>,
     ready: &mut dyn FnMut(),
 ) -> Result<(), Error> {
-    config.validate()?;
-    let disk = Arc::new(Backend::open(
-        &config.disk,
-        &OpenOptions {
-            read_only: config.read_only,
-            cache: config.cache,
-            prealloc: config.prealloc,
-            image: config.image,
-            engine_threads: config.engine_threads,
-            nbd: config.nbd,
-        },
-    )?);
-    // An engine that cannot work on this disk (aio without O_DIRECT, io_uring or AIO
-    // refused by the kernel) is refused now, not when a frontend connects.
-    drop(disk.engine(config.engine, 1)?);
-    info!(
-        "disk {}: {} bytes, logical block {} bytes{}",
-        config.disk,
-        disk.size(),
-        disk.logical_block_size(),
-        if config.read_only { ", read-only" } else { "" }
-    );
-    let (listener, socket_file) = make_listener(listen, config)?;
-    let stats = Arc::new(Stats::new(
-        usize::from(config.num_queues),
-        config.threads.clamp(1, usize::from(config.num_queues)),
-        config.disk.to_string(),
-    ));
-    let control = match &config.control_socket {
-        Some(path) => Some(crate::stats::ControlSocket::bind(
+    serve_files(
+        daemon,
+        disks.into_iter().map(|d| (d, None)).collect(),
+        controls,
+        ready,
+    )
+}
+
+/// [`serve`], some disks with their image file already open.
+pub fn serve_files(
+    daemon: &DaemonConfig,
+    disks: Vec<(ServedDisk, Option<std::fs::File>)>,
+    controls: &Arc<Controls>,
+    ready: &mut dyn FnMut(),
+) -> Result<(), Error> {
+    daemon.validate()?;
+    for (i, (d, _)) in disks.iter().enumerate() {
+        d.validate()?;
+        for (e, _) in &disks[..i] {
+            if e.id == d.id {
+                return Err(Error::Duplicate(format!("two disks are named {:?}", d.id)));
+            }
+            if e.listen == d.listen {
+                return Err(Error::Duplicate(format!(
+                    "disks {:?} and {:?} have the same socket",
+                    e.id, d.id
+                )));
+            }
+        }
+    }
+    let control = match &daemon.control_socket {
+        Some(path) => Some(crate::control::ControlSocket::bind(
             path,
-            &config.socket_access,
+            &daemon.control_access,
         )?),
         None => None,
     };
-    // Everything is open: the disk, the sockets, the NBD connection's first handshake.
+    let needs = sandbox_needs(daemon, &disks, control.as_ref().map(|c| c.path()));
+    let mut opened = Vec::with_capacity(disks.len());
+    for (d, file) in disks {
+        opened.push(OpenedDisk::open(d, file)?);
+    }
+    // Everything is open: the disks, the sockets, the NBD connections' first handshakes.
     // From here on the daemon is confined, and every thread it starts inherits it.
-    let needs = sandbox_needs(config, listen, control.as_ref().map(|c| c.path()));
-    let report = crate::sandbox::confine(&config.sandbox, &needs)?;
+    let report = crate::sandbox::confine(&daemon.sandbox, &needs)?;
     info!("sandbox: {report}");
     if let Ok(what) = std::env::var(SELFTEST_ENV) {
         crate::sandbox::selftest(&what);
     }
+    let pool = Arc::new(
+        Pool::new(&PoolConfig {
+            threads: daemon.threads,
+            cpus: daemon.cpus.clone(),
+            poll_us: daemon.poll_us,
+        })
+        .map_err(|source| Error::Listen {
+            path: "worker threads".into(),
+            source,
+        })?,
+    );
+    let registry = Arc::new(Registry::new(pool, controls.clone()));
+    for o in opened {
+        registry.start(o)?;
+    }
     let control = match control {
         Some(c) => {
             let path = c.path().to_path_buf();
-            let (s, d) = (stats.clone(), disk.clone());
-            let t = crate::stats::serve_control(
+            let t = crate::control::serve(
                 c,
-                move || s.snapshot(d.size()),
-                controls.stopped.as_raw_fd(),
+                registry.clone(),
+                daemon.disk_parser.clone(),
+                controls.stopped_fd(),
             )?;
             info!(
-                "statistics on {} (vblk stats {})",
+                "statistics and disk management on {} (vblk stats {}, vblk disk list {})",
+                path.display(),
                 path.display(),
                 path.display()
             );
@@ -249,173 +233,46 @@ pub fn serve(
         None => None,
     };
     info!(
-        "listening ({} queues of up to {} entries on {} workers, engine {}, polling {} µs)",
-        config.num_queues, config.queue_size, config.threads, config.engine, config.poll_us
+        "serving {} disks on {} worker threads (polling {} µs)",
+        registry.len(),
+        daemon.threads,
+        daemon.poll_us
     );
     ready();
-    let fence = Arc::new(Fence::new(stats.fence.clone()));
-    let result = accept_loop(config, &disk, &listener, listen, controls, &stats, &fence);
+    let result = wait_loop(controls, &registry);
+    controls.stop();
+    let stopped = registry.stop_all();
     if let Some(t) = control {
-        controls.stop();
         let _ = t.join();
     }
-    if let Err(e) = disk.flush() {
-        error!("flushing the disk at exit failed: {e}");
-    }
-    drop(socket_file);
-    result
+    result.and(stopped)
 }
 
-fn accept_loop(
-    config: &DeviceConfig,
-    disk: &Arc<Backend>,
-    listener: &UnixListener,
-    listen: &Listen,
-    controls: &Controls,
-    stats: &Stats,
-    fence: &Arc<Fence>,
-) -> Result<(), Error> {
-    let listen_err = |source| Error::Listen {
-        path: describe(listen),
-        source,
-    };
-    while !controls.stopping() {
-        match wait(listener.as_raw_fd(), controls).map_err(listen_err)? {
-            Wake::Controls => {
-                if controls.take_resize() {
-                    resize(disk, config, None);
-                }
-                continue;
-            }
-            Wake::Socket => {}
-        }
-        let stream = match listener.accept() {
-            Ok((stream, _)) => stream,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(listen_err(e)),
-        };
-        serve_one(config, disk, stream, controls, stats, fence);
-    }
-    info!("stopping");
-    Ok(())
-}
-
-fn describe(listen: &Listen) -> String {
-    match listen {
-        Listen::Path(p) => p.display().to_string(),
-        Listen::Fd(fd) => format!("fd {fd}"),
-    }
-}
-
-/// Serve one frontend until it disconnects, breaks the protocol, or the daemon stops.
-/// Whatever goes wrong with this connection ends only this connection.
-fn serve_one(
-    config: &DeviceConfig,
-    disk: &Arc<Backend>,
-    mut stream: UnixStream,
-    controls: &Controls,
-    stats: &Stats,
-    fence: &Arc<Fence>,
-) {
-    let prepared = stream
-        .set_read_timeout(Some(MESSAGE_TIMEOUT))
-        .and_then(|()| stream.set_write_timeout(Some(MESSAGE_TIMEOUT)))
-        .and_then(|()| stream.try_clone());
-    let conn = match prepared {
-        Ok(c) => c,
-        Err(e) => {
-            error!("frontend connection refused: cannot set it up: {e}");
-            return;
-        }
-    };
-    let mut session = match Session::new(config, disk, conn, stats, fence) {
-        Ok(s) => s,
-        Err(e) => {
-            stats
-                .lifecycle
-                .failed_setups
-                .fetch_add(1, Ordering::Relaxed);
-            error!("frontend connection closed: its session cannot be set up: {e}; waiting for the next");
-            return;
-        }
-    };
-    info!("frontend connected");
+/// Until told to stop: pass resizes on to every disk.
+fn wait_loop(controls: &Controls, registry: &Registry) -> Result<(), Error> {
     loop {
-        match wait(stream.as_raw_fd(), controls) {
-            Ok(Wake::Socket) => {}
-            Ok(Wake::Controls) => {
-                if controls.stopping() {
-                    session.shutdown();
-                    break;
-                }
-                if controls.take_resize() {
-                    resize(disk, config, Some(&mut session));
-                }
+        let mut fd = libc::pollfd {
+            fd: controls.wake_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd structure.
+        let r = unsafe { libc::poll(&mut fd, 1, -1) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
                 continue;
             }
-            Err(e) => {
-                warn!("frontend session ended: poll failed: {e}");
-                break;
-            }
+            error!("poll failed: {e}; stopping");
+            return Ok(());
         }
-        match session.handle(&mut stream) {
-            Ok(()) => {}
-            Err(SessionEnd::Disconnected) => {
-                info!("frontend disconnected");
-                break;
-            }
-            Err(e) => {
-                warn!("frontend session ended: {e}");
-                break;
-            }
+        controls.clear_wake();
+        if controls.stopping() {
+            info!("stopping");
+            return registry.take_failure().map_or(Ok(()), Err);
         }
-        if session.poisoned() {
-            error!("the frontend truncated guest memory under the device; connection closed");
-            break;
-        }
-        if let Some(w) = session.lost_worker() {
-            stats.lifecycle.lost_workers.fetch_add(1, Ordering::Relaxed);
-            error!("worker {w} ended (it panicked); connection closed");
-            break;
-        }
-    }
-    let counters = session.counters();
-    drop(session);
-    for (q, done, bad, failed) in counters {
-        info!("queue {q}: {done} requests completed, {bad} rejected, {failed} failed");
-    }
-}
-
-fn make_listener(
-    listen: &Listen,
-    config: &DeviceConfig,
-) -> Result<(UnixListener, Option<SocketFile>), Error> {
-    match listen {
-        Listen::Path(path) => {
-            let (l, file) = SocketFile::bind(path, &config.socket_access)?;
-            info!("listening on {}", path.display());
-            Ok((l, Some(file)))
-        }
-        Listen::Fd(fd) => {
-            // SAFETY: fstat on an fd number only reads metadata; a bad fd gives EBADF.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            // SAFETY: `st` is a valid, writable stat buffer.
-            if unsafe { libc::fstat(*fd, &mut st) } != 0 {
-                return Err(Error::Listen {
-                    path: format!("fd {fd}"),
-                    source: io::Error::last_os_error(),
-                });
-            }
-            if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
-                return Err(Error::Listen {
-                    path: format!("fd {fd}"),
-                    source: io::Error::new(io::ErrorKind::InvalidInput, "not a socket"),
-                });
-            }
-            info!("listening on inherited fd {fd}");
-            // SAFETY: the caller handed us this listening socket (--fd); from here on the
-            // daemon owns it and nothing else closes it.
-            Ok((unsafe { UnixListener::from_raw_fd(*fd) }, None))
+        if controls.take_resize() {
+            registry.resize_all();
         }
     }
 }

@@ -12,15 +12,17 @@ use storage::Backend;
 
 use crate::config::DeviceConfig;
 use crate::daemon::Error;
+use crate::disk::DiskShared;
 use crate::session::Session;
-use crate::stats::Stats;
+use crate::worker::{Pool, PoolConfig};
 
 /// One frontend connection served by a real session (with its worker threads) on `disk`.
 #[doc(hidden)]
 pub struct Connection {
+    // Dropped first: its workers run on the pool's threads.
     session: Session,
+    _shared: DiskShared,
     stream: UnixStream,
-    _stats: Stats,
 }
 
 impl Connection {
@@ -33,17 +35,26 @@ impl Connection {
         let conn = stream
             .try_clone()
             .map_err(|e| Error::VhostUser(format!("cannot clone the connection: {e}")))?;
-        let stats = Stats::new(
-            usize::from(config.num_queues),
-            config.threads.max(1),
+        let pool = Pool::new(&PoolConfig {
+            threads: 1,
+            cpus: Vec::new(),
+            poll_us: 0,
+        })
+        .map_err(|e| Error::VhostUser(format!("cannot start the worker threads: {e}")))?;
+        let shared = DiskShared::new(
             "fuzz".into(),
+            config.clone(),
+            disk.clone(),
+            Arc::new(pool),
+            0,
+            "fuzz".into(),
+            String::new(),
         );
-        let fence = Arc::new(crate::fence::Fence::new(stats.fence.clone()));
-        let session = Session::new(config, disk, conn, &stats, &fence)?;
+        let session = Session::new(&shared, conn)?;
         Ok(Connection {
             session,
+            _shared: shared,
             stream,
-            _stats: stats,
         })
     }
 

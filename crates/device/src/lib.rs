@@ -3,8 +3,12 @@
 //! Module map:
 //! - [`config`]: what the user asked for ([`DeviceConfig`]) and how it is checked.
 //! - `blk`: what the device offers: features, configuration space, request limits.
-//! - [`daemon`]: listening (a path or an inherited fd), one frontend at a time, going back
-//!   to listening when it leaves.
+//! - [`daemon`]: the process: opens every disk and socket, confines itself, starts the
+//!   shared worker threads and one thread per disk, waits for signals.
+//! - `disk`: one disk: its socket (a path or an inherited fd), one frontend at a time,
+//!   going back to listening when it leaves. `registry`: the disks by name, added and
+//!   removed live.
+//! - [`control`]: the control socket: statistics, and disks added, removed, listed.
 //! - [`socket_file`]: the sockets the daemon creates: stale ones replaced, live ones
 //!   refused, owner-only or a group's, removed at exit only if still ours.
 //! - `wire`: vhost-user messages on the socket: framing, file descriptors, replies, and
@@ -17,9 +21,10 @@
 //!   resubmit exactly the requests an earlier one took and did not answer.
 //! - `sigbus`: the backstop that keeps a frontend truncating its memory from killing us.
 //! - `ring`: the device side of a split virtqueue through host pointers.
-//! - `worker`: one thread per worker owns a set of queues and one storage engine; it pops
+//! - `worker`: a worker owns a set of queues of one disk and one storage engine; it pops
 //!   chains, has `proto` check them, hands payload iovecs to the engine, publishes
-//!   completions and signals the driver once per batch.
+//!   completions and signals the driver once per batch. The daemon's worker threads (its
+//!   pool) each run the workers of every disk placed on them, in one polling loop.
 //! - `stats`: live per-queue and per-worker counters and latency histograms, served as
 //!   JSON on the control socket (`vblk stats`).
 //! - `poll`: the adaptive polling window a worker spins in before it sleeps.
@@ -40,14 +45,17 @@
 
 mod blk;
 pub mod config;
+pub mod control;
 pub mod daemon;
 mod dirty_log;
+mod disk;
 mod fence;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod inflight;
 mod memory;
 mod poll;
+mod registry;
 mod ring;
 pub mod sandbox;
 mod session;
@@ -61,6 +69,7 @@ mod watchdog;
 mod wire;
 mod worker;
 
-pub use config::{DeviceConfig, Listen};
+pub use config::{DaemonConfig, DeviceConfig, Listen, ServedDisk};
+pub use control::DiskParser;
 pub use daemon::Controls;
-pub use daemon::{serve, Error};
+pub use daemon::{serve, serve_files, Error};

@@ -101,6 +101,33 @@ impl SocketFile {
         Ok((listener, file))
     }
 
+    /// The socket someone else bound at `path` and handed to the daemon: removed when
+    /// dropped, if it is still that socket.
+    pub fn adopt(path: &Path) -> Result<SocketFile, SocketError> {
+        let meta = std::fs::symlink_metadata(path).map_err(|source| SocketError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if !meta.file_type().is_socket() {
+            return Err(SocketError::Io {
+                path: path.to_path_buf(),
+                source: io::Error::new(io::ErrorKind::InvalidInput, "not a socket"),
+            });
+        }
+        Ok(SocketFile {
+            path: path.to_path_buf(),
+            dev: meta.dev(),
+            ino: meta.ino(),
+        })
+    }
+
+    /// Leave the socket file in place (another process serves it now).
+    pub fn release(self) -> PathBuf {
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `me` is never dropped, so its path is read out exactly once.
+        unsafe { std::ptr::read(&me.path) }
+    }
+
     /// The path.
     pub fn path(&self) -> &Path {
         &self.path

@@ -12,16 +12,11 @@
 //! (never one per request). It includes the time a request waits in the device and its
 //! engine; it cannot include the time the chain sat in the ring before the device looked.
 
-use std::io::Write;
-use std::os::fd::{AsRawFd, RawFd};
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-
-use crate::socket_file::{SocketAccess, SocketError, SocketFile};
 
 /// Add `n` to a counter that only one thread writes (its queue's or its own worker): a
 /// load and a store, without the locked read-modify-write a `fetch_add` costs on every
@@ -199,7 +194,27 @@ pub(crate) struct LifecycleStats {
     pub logged_pages: Arc<AtomicU64>,
 }
 
-/// Everything, for one daemon.
+/// The worker threads' counters, by thread.
+pub(crate) fn workers_snapshot(workers: &[Arc<WorkerStats>]) -> Value {
+    let all: Vec<Value> = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            json!({
+                "worker": i,
+                "poll_hits": w.poll_hits.load(Ordering::Relaxed),
+                "poll_misses": w.poll_misses.load(Ordering::Relaxed),
+                "sleeps": w.sleeps.load(Ordering::Relaxed),
+                "sleep_cost_ns": w.sleep_cost_ns.load(Ordering::Relaxed),
+                "poll_window_ns": w.poll_window_ns.load(Ordering::Relaxed),
+                "poll_forced": w.poll_forced.load(Ordering::Relaxed) != 0,
+            })
+        })
+        .collect();
+    Value::Array(all)
+}
+
+/// Everything about one disk.
 #[derive(Debug)]
 pub(crate) struct Stats {
     pub queues: Vec<Arc<QueueStats>>,
@@ -211,10 +226,10 @@ pub(crate) struct Stats {
 }
 
 impl Stats {
-    pub(crate) fn new(num_queues: usize, threads: usize, disk: String) -> Stats {
+    pub(crate) fn new(num_queues: usize, workers: Vec<Arc<WorkerStats>>, disk: String) -> Stats {
         Stats {
             queues: (0..num_queues).map(|_| Arc::default()).collect(),
-            workers: (0..threads).map(|_| Arc::default()).collect(),
+            workers,
             fence: Arc::default(),
             lifecycle: Arc::default(),
             started: Instant::now(),
@@ -233,22 +248,7 @@ impl Stats {
             })
             .map(|(i, q)| q.snapshot(i))
             .collect();
-        let workers: Vec<Value> = self
-            .workers
-            .iter()
-            .enumerate()
-            .map(|(i, w)| {
-                json!({
-                    "worker": i,
-                    "poll_hits": w.poll_hits.load(Ordering::Relaxed),
-                    "poll_misses": w.poll_misses.load(Ordering::Relaxed),
-                    "sleeps": w.sleeps.load(Ordering::Relaxed),
-                    "sleep_cost_ns": w.sleep_cost_ns.load(Ordering::Relaxed),
-                    "poll_window_ns": w.poll_window_ns.load(Ordering::Relaxed),
-                    "poll_forced": w.poll_forced.load(Ordering::Relaxed) != 0,
-                })
-            })
-            .collect();
+        let workers = workers_snapshot(&self.workers);
         let (f, l) = (&self.fence, &self.lifecycle);
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let lifecycle = json!({
@@ -277,85 +277,6 @@ impl Stats {
             "lifecycle": lifecycle,
         })
     }
-}
-
-/// The statistics socket, bound (before the sandbox) and not yet served.
-pub(crate) struct ControlSocket {
-    listener: std::os::unix::net::UnixListener,
-    file: SocketFile,
-}
-
-impl ControlSocket {
-    /// Bind `path` for `access`.
-    pub(crate) fn bind(path: &Path, access: &SocketAccess) -> Result<ControlSocket, SocketError> {
-        let (listener, file) = SocketFile::bind(path, access)?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|source| SocketError::Io {
-                path: path.to_path_buf(),
-                source,
-            })?;
-        Ok(ControlSocket { listener, file })
-    }
-
-    /// The socket's path.
-    pub(crate) fn path(&self) -> &Path {
-        self.file.path()
-    }
-}
-
-/// Serve snapshots on `control`: each connection gets one JSON document, then is closed.
-/// Runs until `stop_fd` becomes readable (it stays readable once the daemon stops).
-pub(crate) fn serve_control(
-    control: ControlSocket,
-    snapshot: impl Fn() -> Value + Send + 'static,
-    stop_fd: RawFd,
-) -> Result<std::thread::JoinHandle<()>, SocketError> {
-    let ControlSocket { listener, file } = control;
-    let owned = file.path().to_path_buf();
-    let io_err = |source| SocketError::Io {
-        path: owned.clone(),
-        source,
-    };
-    let path = owned.clone();
-    std::thread::Builder::new()
-        .name("vblk-control".into())
-        .spawn(move || loop {
-            let mut fds = [
-                libc::pollfd {
-                    fd: listener.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
-                libc::pollfd {
-                    fd: stop_fd,
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
-            ];
-            // SAFETY: two live pollfd structures.
-            if unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) } < 0 {
-                continue;
-            }
-            if fds[1].revents != 0 {
-                drop(file);
-                return;
-            }
-            match listener.accept() {
-                Ok((mut s, _)) => {
-                    let _ = s.set_nonblocking(false);
-                    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-                    let doc = snapshot().to_string();
-                    let _ = s.write_all(doc.as_bytes());
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => {
-                    log::warn!("control socket {}: {e}", path.display());
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            }
-        })
-        .map_err(io_err)
 }
 
 #[cfg(test)]

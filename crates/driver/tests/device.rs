@@ -10,7 +10,7 @@ use vblk_driver::{Disk, DiskOptions, ErrorKind, PathKind, QueueOptions};
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 
 mod common;
-use common::{mem_device, pattern, start, Rng};
+use common::{mem_device, pattern, start, start_with, Rng};
 
 #[test]
 fn info_reports_what_the_device_offers() {
@@ -88,10 +88,11 @@ fn integrity(sock: &PathBuf, opts: &DiskOptions, rounds: usize) {
 
 #[test]
 fn data_written_reads_back_on_every_queue() {
-    let (_d, sock) = start(DeviceConfig {
+    let daemon = device::DaemonConfig {
         threads: 2,
-        ..mem_device(4)
-    });
+        ..Default::default()
+    };
+    let (_d, sock) = start_with(daemon, mem_device(4));
     integrity(&sock, &DiskOptions::default(), 200);
 }
 

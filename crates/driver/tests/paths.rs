@@ -12,7 +12,7 @@ use vblk_driver::{
 };
 
 mod common;
-use common::{device_count, mem_device, pattern, start, with_stats, Rng};
+use common::{device_count, mem_device, pattern, start, start_with, with_stats, Rng};
 
 fn options(path: PathKind, request: RequestOptions) -> DiskOptions {
     DiskOptions {
@@ -289,9 +289,8 @@ fn fua_writes_are_durable_before_they_complete_on_every_path() {
         PathKind::Auto,
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let mut cfg = mem_device(1);
-        let control = with_stats(&mut cfg, dir.path());
-        let (_d, sock) = start(cfg);
+        let (daemon, control) = with_stats(dir.path());
+        let (_d, sock) = start_with(daemon, mem_device(1));
         let (disk, mut q) = one_queue(&sock, &options(path, RequestOptions::default()));
         assert!(disk.info().write_cache, "the device starts in writeback");
         let b = q.alloc(4096).unwrap();

@@ -226,6 +226,55 @@ impl Backend {
         }
     }
 
+    /// Opens the image file or block device `spec` names from `file`, a descriptor of it
+    /// someone else opened (a client of a confined daemon, which opens nothing itself).
+    /// Its access mode must allow what `opts` asks (read and write unless read-only); the
+    /// cache mode is set on it (O_DIRECT on or off).
+    pub fn open_file(spec: &DiskSpec, file: File, opts: &OpenOptions) -> Result<Backend, Error> {
+        let DiskSpec::File(path) = spec else {
+            return Err(Error::NotADisk {
+                path: PathBuf::from(spec.to_string()),
+            });
+        };
+        let io_err = |op, source| Error::Io {
+            path: path.to_owned(),
+            op,
+            source,
+        };
+        // SAFETY: F_GETFL on a descriptor we own reads its status flags.
+        let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+        if flags < 0 {
+            return Err(io_err("fcntl(F_GETFL)", io::Error::last_os_error()));
+        }
+        if !opts.read_only && flags & libc::O_ACCMODE != libc::O_RDWR {
+            return Err(Error::Open {
+                path: path.to_owned(),
+                source: io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "the descriptor handed over is not open for reading and writing",
+                ),
+            });
+        }
+        let direct = opts.cache == CacheMode::None;
+        let want = if direct {
+            flags | libc::O_DIRECT
+        } else {
+            flags & !libc::O_DIRECT
+        };
+        // SAFETY: F_SETFL on a descriptor we own sets its status flags.
+        if want != flags && unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, want) } != 0 {
+            let source = io::Error::last_os_error();
+            return Err(if direct && source.raw_os_error() == Some(libc::EINVAL) {
+                Error::DirectUnsupported {
+                    path: path.to_owned(),
+                }
+            } else {
+                io_err("fcntl(F_SETFL)", source)
+            });
+        }
+        from_file(path, file, opts)
+    }
+
     fn bare(kind: BackendKind, size: u64, serial: &str, opts: &OpenOptions) -> Backend {
         Backend {
             kind,
@@ -503,6 +552,12 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
                 }
             }
         })?;
+    from_file(path, file, opts)
+}
+
+/// The rest of [`open_file`] once the file is open as `opts` asks.
+fn from_file(path: &Path, file: File, opts: &OpenOptions) -> Result<Backend, Error> {
+    let direct = opts.cache == CacheMode::None;
     let io_err = |op, source| Error::Io {
         path: path.to_owned(),
         op,

@@ -347,19 +347,21 @@ impl TryFrom<&BenchArgs> for Plan {
                 engine_threads: a.engine_threads,
             }
         } else {
-            TargetSpec::Embedded(Box::new(device::DeviceConfig {
+            let mut e = plan::embedded_defaults();
+            e.daemon.poll_us = a.poll_us;
+            e.daemon.threads = a.threads;
+            e.device = device::DeviceConfig {
                 disk: a.disk.clone(),
                 engine,
                 cache,
                 engine_threads: a.engine_threads,
-                poll_us: a.poll_us,
-                threads: a.threads,
                 nbd: storage::nbd::NbdOptions {
                     conns: a.nbd_conns.clamp(1, 64),
                     ..Default::default()
                 },
-                ..plan::embedded_defaults()
-            }))
+                ..e.device
+            };
+            TargetSpec::Embedded(Box::new(e))
         };
         let mut request = driver::RequestOptions::default();
         for (k, v) in [

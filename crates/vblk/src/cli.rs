@@ -5,6 +5,7 @@ use std::error::Error;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::bench::BenchArgs;
+use crate::disk::DiskCommand;
 use crate::info::InfoArgs;
 use crate::man::ManArgs;
 use crate::serve::ServeArgs;
@@ -15,7 +16,8 @@ use crate::stats::StatsArgs;
 /// `vblk serve` is a vhost-user-blk device daemon that QEMU, Cloud Hypervisor and other
 /// vhost-user frontends attach virtio-blk disks to; `vblk info` attaches to any
 /// vhost-user-blk device and shows what it offers; `vblk bench` benchmarks I/O paths;
-/// `vblk stats` reads a running daemon's statistics.
+/// `vblk stats` reads a running daemon's statistics; `vblk disk` lists, adds and removes
+/// its disks while it runs.
 #[derive(Debug, Parser)]
 #[command(name = "vblk", version)]
 pub struct Cli {
@@ -51,6 +53,8 @@ pub enum Command {
     Info(InfoArgs),
     Bench(Box<BenchArgs>),
     Stats(StatsArgs),
+    #[command(subcommand)]
+    Disk(DiskCommand),
     #[command(hide = true)]
     Man(ManArgs),
 }
@@ -62,15 +66,17 @@ impl Command {
     pub fn default_log_level(&self) -> LogLevel {
         match self {
             Command::Serve(_) => LogLevel::Info,
-            Command::Info(_) | Command::Bench(_) | Command::Stats(_) | Command::Man(_) => {
-                LogLevel::Warn
-            }
+            Command::Info(_)
+            | Command::Bench(_)
+            | Command::Stats(_)
+            | Command::Disk(_)
+            | Command::Man(_) => LogLevel::Warn,
         }
     }
 }
 
-/// Run the parsed command line.
-pub fn run(cli: Cli) -> Result<(), Box<dyn Error>> {
+/// Run the parsed command line (`matches`: what clap saw, for which flags were given).
+pub fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<(), Box<dyn Error>> {
     let level = match cli
         .log_level
         .unwrap_or_else(|| cli.command.default_log_level())
@@ -87,7 +93,13 @@ pub fn run(cli: Cli) -> Result<(), Box<dyn Error>> {
         .target(env_logger::Target::Stderr)
         .init();
     match cli.command {
-        Command::Serve(args) => crate::serve::run(*args),
+        Command::Serve(args) => {
+            let sub = matches
+                .subcommand_matches("serve")
+                .ok_or("internal: no serve matches")?;
+            crate::serve::run(*args, sub)
+        }
+        Command::Disk(cmd) => crate::disk::run(cmd),
         Command::Info(args) => crate::info::run(args),
         Command::Bench(args) => crate::bench::run(*args),
         Command::Stats(args) => crate::stats::run(args),

@@ -3,6 +3,8 @@
 
 mod bench;
 mod cli;
+mod disk;
+mod disk_args;
 mod info;
 mod man;
 mod serve;
@@ -10,11 +12,15 @@ mod stats;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 
 fn main() -> ExitCode {
-    let args = cli::Cli::parse();
-    match cli::run(args) {
+    let matches = cli::Cli::command().get_matches();
+    let args = match cli::Cli::from_arg_matches(&matches) {
+        Ok(a) => a,
+        Err(e) => e.exit(),
+    };
+    match cli::run(args, &matches) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // Every vblk error message already names its cause.

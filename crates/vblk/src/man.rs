@@ -1,6 +1,7 @@
 //! `vblk man --out DIR` (hidden): writes the manual pages, generated from the same clap
 //! definitions as `--help`, so the two never disagree: vblk(1) and one page per
-//! subcommand, vblk-serve(1), vblk-info(1), vblk-bench(1), vblk-stats(1).
+//! subcommand, vblk-serve(1), vblk-info(1), vblk-bench(1), vblk-stats(1), vblk-disk(1),
+//! and one per subcommand of those (vblk-disk-add(1), ...).
 
 use std::error::Error;
 use std::fs;
@@ -28,16 +29,20 @@ pub fn run(args: ManArgs) -> Result<(), Box<dyn Error>> {
 }
 
 /// Every page's file name without the section: `vblk`, then `vblk-SUBCOMMAND` for each
-/// subcommand that is not hidden.
+/// subcommand that is not hidden, each followed by `vblk-SUBCOMMAND-SUB` for its own.
 pub fn page_names() -> Vec<String> {
     let cmd = Cli::command();
-    std::iter::once("vblk".to_owned())
-        .chain(
-            cmd.get_subcommands()
-                .filter(|s| !s.is_hide_set())
-                .map(|s| format!("vblk-{}", s.get_name())),
-        )
-        .collect()
+    let mut names = vec!["vblk".to_owned()];
+    for s in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+        names.push(format!("vblk-{}", s.get_name()));
+        for t in s
+            .get_subcommands()
+            .filter(|t| !t.is_hide_set() && t.get_name() != "help")
+        {
+            names.push(format!("vblk-{}-{}", s.get_name(), t.get_name()));
+        }
+    }
+    names
 }
 
 /// Writes the pages into `dir`; returns their paths.
@@ -50,11 +55,15 @@ pub fn write_pages(dir: &Path) -> Result<Vec<PathBuf>, Box<dyn Error>> {
     cmd.build();
     let version = env!("CARGO_PKG_VERSION");
     let mut pages = vec![cmd.clone()];
-    pages.extend(
-        cmd.get_subcommands()
-            .filter(|s| !s.is_hide_set())
-            .map(|s| s.clone().version(version)),
-    );
+    for s in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+        pages.push(s.clone().version(version));
+        for t in s
+            .get_subcommands()
+            .filter(|t| !t.is_hide_set() && t.get_name() != "help")
+        {
+            pages.push(t.clone().version(version));
+        }
+    }
     let names = page_names();
     let mut written = Vec::new();
     for page in pages {
@@ -103,7 +112,12 @@ mod tests {
                 "vblk-serve",
                 "vblk-info",
                 "vblk-bench",
-                "vblk-stats"
+                "vblk-stats",
+                "vblk-disk",
+                "vblk-disk-list",
+                "vblk-disk-add",
+                "vblk-disk-remove",
+                "vblk-disk-sync"
             ]
         );
         let dir = tempfile::tempdir().unwrap();
@@ -119,7 +133,12 @@ mod tests {
                 "vblk-serve.1",
                 "vblk-info.1",
                 "vblk-bench.1",
-                "vblk-stats.1"
+                "vblk-stats.1",
+                "vblk-disk.1",
+                "vblk-disk-list.1",
+                "vblk-disk-add.1",
+                "vblk-disk-remove.1",
+                "vblk-disk-sync.1"
             ]
         );
         let serve = fs::read_to_string(dir.path().join("vblk-serve.1")).unwrap();

@@ -3,22 +3,38 @@
 use std::error::Error;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
-use clap::{Args, ValueEnum};
-use device::config::{DEFAULT_NUM_QUEUES, DEFAULT_POLL_US, DEFAULT_QUEUE_SIZE};
-use device::{Controls, DeviceConfig, Listen};
-use storage::nbd::NbdOptions;
-use storage::{CacheMode, DiskSpec, EngineKind, Format, ImageChecks, ImageLock};
+use clap::{Args, CommandFactory, FromArgMatches, Parser};
+use device::config::DEFAULT_POLL_US;
+use device::{Controls, DaemonConfig, Listen, ServedDisk};
 
-/// Serve a disk as a vhost-user-blk device.
+use crate::disk_args::{
+    disk_from_items, explicit_disk_flags, load_config, parse_on_off, spec_of, split_items,
+    DiskArgs, Items, SINGLE_DISK_FLAGS,
+};
+
+/// Serve disks as vhost-user-blk devices.
 ///
-/// Follows the vhost-user "backend program conventions" (QEMU docs/interop/vhost-user.rst):
-/// `--socket-path` or `--fd`, `--print-capabilities`, `--blk-file`, `--read-only`.
+/// One disk: its flags on the command line. Follows the vhost-user "backend program
+/// conventions" (QEMU docs/interop/vhost-user.rst): `--socket-path` or `--fd`,
+/// `--print-capabilities`, `--blk-file`, `--read-only`.
 ///
-/// Example, with QEMU:
+/// Several disks, served by one set of worker threads: `--disk KEY=VALUE,...` once per
+/// disk, whose keys are the disk flags below without their dashes (`socket` and `file`
+/// stand for socket-path and blk-file; a switch is `read-only` or `read-only=on`; a comma
+/// inside a value is written twice); disk flags given outside `--disk` apply to every
+/// `--disk` that does not set them. Or `--config FILE`: the same keys in TOML, daemon flags
+/// at the top level and one `[[disk]]` table per disk (contrib/systemd/disks.toml).
+/// Disks are added and removed while the daemon runs with `vblk disk add|remove` on its
+/// `--control-socket`.
+///
+/// Examples, with QEMU:
 ///
 ///   vblk serve --socket-path /tmp/vblk.sock --blk-file disk.img --num-queues 2
+///
+///   vblk serve --threads 2 --control-socket /run/vblk/control.sock --cache none
+///     --disk socket=/run/vblk/vm1.sock,file=/var/lib/vblk/vm1.img,num-queues=4
+///     --disk socket=/run/vblk/vm2.sock,file=/var/lib/vblk/vm2.img,read-only
 ///
 ///   qemu-system-x86_64 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on
 ///     -numa node,memdev=mem -chardev socket,id=vblk0,path=/tmp/vblk.sock
@@ -26,22 +42,12 @@ use storage::{CacheMode, DiskSpec, EngineKind, Format, ImageChecks, ImageLock};
 ///
 /// Signals: SIGTERM or SIGINT stops the daemon cleanly: no new requests are taken, those
 /// in flight finish, the disk is flushed, the socket it created is removed, and it exits 0
-/// (a second signal exits at once). SIGHUP re-reads the size of the file or block device
-/// and, if it grew, tells the frontend (QEMU passes it to the guest, whose /dev/vda grows).
+/// (a second signal exits at once). SIGHUP re-reads the size of every disk's file or block
+/// device and, if it grew, tells the frontend (QEMU passes it to the guest, whose /dev/vda
+/// grows).
 #[derive(Debug, Args)]
 #[command(verbatim_doc_comment)]
 pub struct ServeArgs {
-    /// Unix socket to listen on for the frontend (created; a stale socket is replaced, a
-    /// live one is refused).
-    #[arg(long, value_name = "PATH", conflicts_with = "fd")]
-    pub socket_path: Option<PathBuf>,
-
-    /// Already listening Unix socket inherited from the caller (systemd socket activation:
-    /// --fd 3) [default: with neither --socket-path nor --fd, the socket systemd passed,
-    /// when LISTEN_PID is this process and LISTEN_FDS is 1].
-    #[arg(long, value_name = "FD")]
-    pub fd: Option<i32>,
-
     /// Print the vhost-user backend capabilities as JSON and exit.
     #[arg(long)]
     pub print_capabilities: bool,
@@ -52,6 +58,28 @@ pub struct ServeArgs {
     #[arg(long)]
     pub print_syscalls: bool,
 
+    /// One disk of several: KEY=VALUE,... with the keys of the disk flags (socket=PATH,
+    /// file=SPEC, num-queues=N, cache=none, read-only, ...). Repeat for each disk.
+    #[arg(long = "disk", value_name = "KEY=VALUE,...")]
+    pub disks: Vec<String>,
+
+    /// Read the daemon's flags and its disks from this TOML file (top level: threads,
+    /// poll-us, cpus, control-socket, socket-group, seccomp, landlock, nbd-ports; one
+    /// `[[disk]]` table per disk with the disk flags' names as keys). A flag given both
+    /// here and on the command line is refused.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub daemon: DaemonArgs,
+
+    #[command(flatten)]
+    pub one: DiskArgs,
+}
+
+/// The flags of the daemon as a whole.
+#[derive(Debug, Clone, Args)]
+pub struct DaemonArgs {
     /// What a system call outside the daemon's allow-list does once it is set up: `kill`
     /// ends the process (SECCOMP_RET_KILL_PROCESS), `trap` reports the call and the thread
     /// on stderr and exits, `log` lets it through and the kernel logs it (to build a list
@@ -66,125 +94,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "on|off", default_value = "on", value_parser = parse_on_off)]
     pub landlock: bool,
 
-    /// The disk: a raw image file or block device (PATH), a RAM disk (mem:SIZE, e.g.
-    /// mem:1G), a null disk (null:SIZE: reads return zeroes, writes are dropped), a
-    /// simulated 7200 rpm hard disk (hdd:SIZE: a RAM disk whose requests take the time a
-    /// real disk's would, one at a time in arrival order: command overhead, seek by
-    /// distance, rotational latency, media rate; hdd:SIZE:xN runs N times faster), or an
-    /// export on an NBD server (`nbd://HOST[:PORT]/EXPORT`, `nbd+unix:///EXPORT?socket=PATH`).
-    /// SIZE takes K, M, G, T suffixes (powers of 1024) and must be a multiple of 512.
-    #[arg(long, value_name = "SPEC")]
-    pub blk_file: Option<DiskSpec>,
-
-    /// Export the disk read-only: VIRTIO_BLK_F_RO is offered, and writes, discards and
-    /// write-zeroes fail with IOERR (DISCARD and WRITE_ZEROES stay offered, as
-    /// qemu-storage-daemon does; a guest kernel refuses them itself).
-    #[arg(long)]
-    pub read_only: bool,
-
-    /// Image files and block devices: hold QEMU's image locks while vblk runs (OFD locks on
-    /// byte 100+i for each permission held and 200+i for each one not shared; a writable
-    /// export locks 100, 101 and 201, as a QEMU virtio-blk disk does). `on` refuses an
-    /// image that another vblk, QEMU or qemu-storage-daemon writes, or whose reader there
-    /// keeps writers out, and names the lock and its holder; read-only exports share with
-    /// readers. `off` takes and checks no locks, like QEMU's locking=off. There is no
-    /// `auto`: QEMU's auto means on wherever OFD locks exist, which is every Linux vblk
-    /// runs on.
-    #[arg(long, value_name = "MODE", value_enum, default_value_t = LockArg::On)]
-    pub image_lock: LockArg,
-
-    /// The destination of a live migration: open the image without its write locks while
-    /// the source daemon still writes it, and take them when the frontend starts the rings
-    /// (QEMU starts them only after the source's switchover, where the source daemon makes
-    /// its writes durable and lets go). Two active writers are still refused: the rings do
-    /// not start while another writer holds the image. The source needs no flag.
-    #[arg(long)]
-    pub incoming: bool,
-
-    /// Declare the image's format; `raw` is the only one vblk serves [default: probe: an
-    /// image file or block device that holds qcow2, QED, VMDK, VHDX, VDI, VHD, LUKS,
-    /// Parallels, DMG, Bochs or cloop is refused, since a guest writing to one served raw
-    /// destroys it]. Pass `--format raw` for disks a guest owns: a guest could write an
-    /// image header into its own disk, and the next start would then refuse it.
-    #[arg(long, value_name = "FORMAT", value_enum)]
-    pub format: Option<FormatArg>,
-
-    /// RAM disks: allocate and map all of it at start (no first-touch page faults during
-    /// I/O; not enough memory is an error at start, not later).
-    #[arg(long)]
-    pub prealloc: bool,
-
-    /// Host cache: `none` opens with O_DIRECT (bounce buffers only for unaligned guest
-    /// buffers); `writeback` uses the page cache. Either way FLUSH is an fdatasync.
-    #[arg(long, value_name = "MODE", default_value = "writeback", value_parser = parse_cache)]
-    pub cache: CacheMode,
-
-    /// The GET_ID serial string (at most 20 bytes) [default: derived from the disk:
-    /// the image's file name, "vblk-mem" or "vblk-null"].
-    #[arg(long, value_name = "STRING")]
-    pub serial: Option<String>,
-
-    /// Number of virtqueues offered (1-256: vhost-user passes a queue's descriptors with an
-    /// 8-bit index). QEMU's vhost-user-blk-pci asks for one per vCPU by default and refuses
-    /// to start with fewer; the default covers VMs of up to 256 vCPUs. Queues the frontend
-    /// never starts cost nothing but a few hundred bytes.
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_NUM_QUEUES)]
-    pub num_queues: u16,
-
-    /// Worker threads; queue i is served by worker i % T, each queue by exactly one.
+    /// Worker threads, shared by every disk: a disk's queue i is served by its worker
+    /// i % min(T, queues), its workers on consecutive threads (the disks spread over them).
+    /// A thread polls the queues of every disk it holds and sleeps only when all are idle.
     #[arg(long, value_name = "T", default_value_t = 1)]
     pub threads: usize,
-
-    /// Largest virtqueue size accepted (a power of two up to 32768; QEMU allows up to 1024).
-    /// Slots and buffers are sized to the size the frontend picks, when it starts a queue.
-    /// seg_max (254 segments per request) does not depend on it.
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_QUEUE_SIZE)]
-    pub queue_size: u16,
-
-    /// Storage engine for file and block-device disks, one per worker:
-    ///   io_uring  batched submission on one ring per worker; completions on an eventfd.
-    ///   aio       Linux AIO (io_submit, up to 32 requests per call), as QEMU's aio=native;
-    ///             needs --cache none (on the page cache Linux AIO does each request inside
-    ///             io_submit). Discard and write-zeroes run on a helper thread.
-    ///   threads   a pool of --engine-threads threads per worker doing preadv/pwritev, as
-    ///             QEMU's aio=threads.
-    ///   sync      preadv/pwritev on the worker itself: one request at a time.
-    /// RAM and null disks are served in memory whatever the engine.
-    #[arg(long, value_name = "ENGINE", default_value = "io_uring", value_parser = parse_engine,
-          verbatim_doc_comment)]
-    pub engine: EngineKind,
-
-    /// Threads in each worker's pool with --engine threads (1-64), started as the load
-    /// needs them. They bound the requests a worker has at the disk at once; each may hold
-    /// one 1 MiB O_DIRECT bounce buffer.
-    #[arg(long, value_name = "N", default_value_t = storage::DEFAULT_ENGINE_THREADS)]
-    pub engine_threads: usize,
-
-    /// NBD disks: when the connection to the server breaks, hold the requests in flight
-    /// and reconnect for up to this many seconds (1-3600), replaying them on the new
-    /// connection; then fail them (and later ones, while the server stays away) with
-    /// IOERR. Counted from the first break that catches requests: a server that accepts
-    /// and breaks again does not restart it.
-    #[arg(long, value_name = "SECS", default_value_t = 30,
-          value_parser = clap::value_parser!(u64).range(1..=3600))]
-    pub nbd_reconnect_secs: u64,
-
-    /// NBD disks: the deadline of every wait on the server (1-3600). A request not
-    /// answered this many seconds after it was sent, a request the server will not read
-    /// for as long, or no byte from the server for as long while replies are awaited,
-    /// breaks the connection; its requests are replayed as --nbd-reconnect-secs says, then
-    /// fail with IOERR. A single request that legitimately takes longer (a 32 MiB write to
-    /// a very slow server, or over a slow link) is therefore retried and then fails: raise
-    /// this for such servers. Also the limit of one connection attempt (name lookup,
-    /// connect, handshake), and of waiting for requests in flight when a worker stops.
-    #[arg(long, value_name = "SECS", default_value_t = 30,
-          value_parser = clap::value_parser!(u64).range(1..=3600))]
-    pub nbd_timeout_secs: u64,
-
-    /// NBD disks: connections per worker when the server offers multi-conn (1-64; a server
-    /// without it gets one, and then only one writable worker).
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub nbd_conns: u32,
 
     /// After its queues run dry a worker keeps polling for up to this many microseconds
     /// before it re-enables notifications and sleeps; 0 never spins. The window is also
@@ -194,39 +108,15 @@ pub struct ServeArgs {
     #[arg(long, value_name = "US", default_value_t = DEFAULT_POLL_US)]
     pub poll_us: u64,
 
-    /// Run worker t on CPU LIST[t % len] (e.g. 2,3 or 4-7) [default: not pinned].
+    /// Run worker thread t on CPU LIST[t % len] (e.g. 2,3 or 4-7) [default: not pinned].
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<CpuList>,
 
-    /// Most requests handed to the engine per submit call; 0 submits once per pass
-    /// [default: 4 with --cache none (O_DIRECT reads are dispatched to the disk inside the
-    /// submit call, so big batches delay their tail), 0 with the page cache].
-    #[arg(long, value_name = "N")]
-    pub submit_batch: Option<u32>,
-
-    /// On SIGHUP (re-read the disk's size), accept a file or block device that became
-    /// smaller [default: refused with a log line, the old size stays in force]. I/O past
-    /// the new end then fails with IOERR.
-    #[arg(long)]
-    pub allow_shrink: bool,
-
-    /// Do not offer inflight I/O tracking (INFLIGHT_SHMFD). With it (the default) QEMU
-    /// keeps a region in which the daemon records the requests it has taken and not
-    /// answered, so that after a crash the restarted daemon resubmits exactly those. Without
-    /// it QEMU resumes at the used index, which is exact only if requests complete in
-    /// order; for comparison and for frontends that mishandle the region.
-    #[arg(long)]
-    pub no_inflight: bool,
-    /// Tell vblk drivers the disk is rotational (seeks cost, the host does not reorder), so
-    /// that their `auto` path merges and sorts. Only vblk's driver reads this hint (outside
-    /// the virtio configuration space); guests never see it. (hdd: disks say so already.)
-    #[arg(long)]
-    pub rotational: bool,
-
-    /// Serve live statistics on this Unix socket: per queue, requests and bytes by type,
-    /// errors, requests in flight, latency histograms; per worker, polling hits and
-    /// misses; ring stops, the reset fence and sessions ended by a misbehaving frontend.
-    /// Read them with `vblk stats PATH` (or `--json`; `--interval 1` for rates).
+    /// Serve live statistics and disk management on this Unix socket: per disk and queue,
+    /// requests and bytes by type, errors, requests in flight, latency histograms; per
+    /// worker thread, polling hits and misses; ring stops, the reset fence and sessions
+    /// ended by a misbehaving frontend. Read them with `vblk stats PATH` (or `--json`;
+    /// `--interval 1` for rates); add, remove and list disks with `vblk disk`.
     #[arg(long, value_name = "PATH")]
     pub control_socket: Option<PathBuf>,
 
@@ -237,36 +127,18 @@ pub struct ServeArgs {
     #[arg(long, value_name = "GROUP")]
     pub socket_group: Option<String>,
 
-    /// How long stopping a ring waits for its requests (the frontend stops rings to reset,
-    /// reboot, pause or shut down the VM; QEMU waits for the answer). Requests still at the
-    /// disk then are fenced: no request taken after the stop reaches the disk or the
-    /// guest's memory before they end, and `vblk stats` counts the wait.
-    #[arg(long, value_name = "SECS", default_value_t = 60)]
-    pub drain_timeout_secs: u64,
-
-    /// Testing aid: hold every Nth request MS milliseconds (N:MS, e.g. 4:50): its
-    /// completion by default, so that completions come out of order and some requests stay
-    /// in flight for long; with N:MS:hold the request itself, before it reaches the disk;
-    /// with N:MS:hold-writes every Nth write (reads go through at once). For testing guests,
-    /// frontends and crash recovery; never for production.
-    #[arg(long, value_name = "N:MS[:hold|:hold-writes]")]
-    pub delay_every: Option<storage::Delay>,
+    /// NBD disks added later over TCP (`vblk disk add`): the ports the sandbox lets the
+    /// daemon connect to, besides those of the NBD disks it starts with (e.g. 10809).
+    #[arg(long, value_name = "PORT,...", value_delimiter = ',')]
+    pub nbd_ports: Vec<u16>,
 }
 
-/// `--image-lock`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LockArg {
-    /// Take QEMU-compatible image locks and honour other users' locks.
-    On,
-    /// No image locks.
-    Off,
-}
-
-/// `--format`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum FormatArg {
-    /// The bytes are the disk; no probe.
-    Raw,
+/// `DaemonArgs` alone, to apply a `--config` file's top-level keys.
+#[derive(Debug, Parser)]
+#[command(name = "--config", no_binary_name = true)]
+struct DaemonCli {
+    #[command(flatten)]
+    daemon: DaemonArgs,
 }
 
 /// A CPU list such as `0,2,4-7`.
@@ -279,22 +151,6 @@ impl std::str::FromStr for CpuList {
     fn from_str(s: &str) -> Result<Self, String> {
         device::config::parse_cpu_list(s).map(CpuList)
     }
-}
-
-fn parse_on_off(s: &str) -> Result<bool, String> {
-    match s {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        _ => Err(format!("{s:?}: expected on or off")),
-    }
-}
-
-fn parse_cache(s: &str) -> Result<CacheMode, String> {
-    s.parse().map_err(|e: storage::Error| e.to_string())
-}
-
-fn parse_engine(s: &str) -> Result<EngineKind, String> {
-    s.parse().map_err(|e: storage::Error| e.to_string())
 }
 
 /// The listening socket a service manager passed, by the sd_listen_fds(3) protocol:
@@ -337,78 +193,136 @@ pub fn capabilities() -> serde_json::Value {
     })
 }
 
-impl TryFrom<ServeArgs> for (DeviceConfig, Listen) {
-    type Error = String;
-
-    fn try_from(a: ServeArgs) -> Result<Self, String> {
-        let listen = match (a.socket_path, a.fd) {
-            (Some(p), None) => Listen::Path(p),
-            (None, Some(fd)) if fd >= 0 => Listen::Fd(fd),
-            (None, Some(fd)) => return Err(format!("--fd {fd}: not a file descriptor")),
-            (None, None) => match socket_from_environment()? {
-                Some(fd) => Listen::Fd(fd),
-                None => {
-                    return Err("one of --socket-path PATH or --fd FD is required (or a \
-                                socket passed by systemd: LISTEN_PID, LISTEN_FDS)"
-                        .into())
-                }
-            },
-            (Some(_), Some(_)) => {
-                return Err("--socket-path and --fd cannot be used together".into())
-            }
-        };
-        let disk = a
-            .blk_file
-            .ok_or("--blk-file SPEC is required (a PATH, mem:SIZE, null:SIZE or nbd:// URI)")?;
-        let config = DeviceConfig {
-            disk,
-            read_only: a.read_only,
-            cache: a.cache,
-            prealloc: a.prealloc,
-            serial: a.serial,
-            num_queues: a.num_queues,
-            threads: a.threads,
-            queue_size: a.queue_size,
-            engine: a.engine,
-            engine_threads: a.engine_threads,
-            poll_us: a.poll_us,
-            cpus: a.cpus.map(|c| c.0).unwrap_or_default(),
-            submit_batch: a.submit_batch,
-            allow_shrink: a.allow_shrink,
-            inflight: !a.no_inflight,
-            rotational: a.rotational.then_some(true),
-            delay: a.delay_every,
-            drain_timeout: Duration::from_secs(a.drain_timeout_secs),
-            control_socket: a.control_socket,
-            socket_access: device::socket_file::SocketAccess {
-                group: a.socket_group,
+impl DaemonArgs {
+    fn into_config(self) -> DaemonConfig {
+        DaemonConfig {
+            threads: self.threads,
+            poll_us: self.poll_us,
+            cpus: self.cpus.map(|c| c.0).unwrap_or_default(),
+            control_socket: self.control_socket,
+            control_access: device::socket_file::SocketAccess {
+                group: self.socket_group,
             },
             sandbox: device::sandbox::SandboxConfig {
-                seccomp: a.seccomp,
-                landlock: a.landlock,
+                seccomp: self.seccomp,
+                landlock: self.landlock,
                 drop_caps: true,
             },
-            nbd: NbdOptions {
-                reconnect: Duration::from_secs(a.nbd_reconnect_secs),
-                timeout: Duration::from_secs(a.nbd_timeout_secs.max(1)),
-                conns: a.nbd_conns.clamp(1, 64),
-            },
-            image: ImageChecks {
-                lock: match a.image_lock {
-                    LockArg::On => ImageLock::On,
-                    LockArg::Off => ImageLock::Off,
-                },
-                format: a.format.map(|FormatArg::Raw| Format::Raw),
-                incoming: a.incoming,
-            },
-        };
-        config.validate().map_err(|e| e.to_string())?;
-        Ok((config, listen))
+            nbd_ports: self.nbd_ports,
+            disk_parser: None,
+        }
     }
 }
 
+/// The daemon and its disks, from `vblk serve`'s arguments and their matches (which
+/// flags the command line gave).
+pub fn plan(
+    args: ServeArgs,
+    matches: &clap::ArgMatches,
+) -> Result<(DaemonConfig, Vec<ServedDisk>), String> {
+    let given = |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+    let many = !args.disks.is_empty() || args.config.is_some();
+    if many {
+        if let Some(flag) = SINGLE_DISK_FLAGS.iter().find(|f| given(f)) {
+            return Err(format!(
+                "--{} names the one disk of a one-disk daemon; with --disk or --config give it inside each disk",
+                flag.replace('_', "-")
+            ));
+        }
+    }
+    let mut daemon_args = args.daemon;
+    // (where it came from, its items, its spec)
+    let mut items: Vec<(String, Items, String)> = args
+        .disks
+        .iter()
+        .map(|d| (format!("--disk {d}"), split_items(d), d.clone()))
+        .collect();
+    if let Some(path) = &args.config {
+        let file = load_config(path)?;
+        let mut argv = Vec::new();
+        for (key, value) in &file.daemon {
+            if given(&key.replace('-', "_")) {
+                return Err(format!(
+                    "{key} is given both in {} and on the command line: give it once",
+                    path.display()
+                ));
+            }
+            argv.push(match value {
+                Some(v) => format!("--{key}={v}"),
+                None => format!("--{key}"),
+            });
+        }
+        // The file's daemon keys, then the command line's (none of them twice).
+        let from_file = DaemonCli::command()
+            .try_get_matches_from(argv)
+            .map_err(|e| format!("{}: {}", path.display(), e.to_string().trim()))?;
+        let file_daemon = DaemonCli::from_arg_matches(&from_file)
+            .map_err(|e| e.to_string())?
+            .daemon;
+        daemon_args = merge_daemon(daemon_args, file_daemon, &file.daemon);
+        for (i, d) in file.disks.into_iter().enumerate() {
+            let spec = spec_of(&d);
+            items.push((format!("{} [[disk]] {}", path.display(), i + 1), d, spec));
+        }
+        if items.is_empty() {
+            return Err(format!("{}: no [[disk]] table", path.display()));
+        }
+    }
+    let daemon = daemon_args.into_config();
+    daemon.validate().map_err(|e| e.to_string())?;
+    if !many {
+        let served = args
+            .one
+            .into_served(socket_from_environment()?.map(Listen::Fd), "disk0".into())?;
+        return Ok((daemon, vec![served]));
+    }
+    let inherited = explicit_disk_flags(matches);
+    let mut disks = Vec::with_capacity(items.len());
+    for (i, (what, items, spec)) in items.into_iter().enumerate() {
+        let mut served = disk_from_items(&items, &inherited, &what)?
+            .into_served(None, format!("disk{i}"))
+            .map_err(|e| format!("{what}: {e}"))?;
+        served.spec = spec;
+        disks.push(served);
+    }
+    Ok((daemon, disks))
+}
+
+/// `base` (the command line's daemon flags) with the keys a `--config` file set taken
+/// from `file`.
+fn merge_daemon(
+    mut base: DaemonArgs,
+    file: DaemonArgs,
+    keys: &[(String, Option<String>)],
+) -> DaemonArgs {
+    for (key, _) in keys {
+        match key.as_str() {
+            "threads" => base.threads = file.threads,
+            "poll-us" => base.poll_us = file.poll_us,
+            "cpus" => base.cpus = file.cpus.clone(),
+            "control-socket" => base.control_socket = file.control_socket.clone(),
+            "socket-group" => base.socket_group = file.socket_group.clone(),
+            "seccomp" => base.seccomp = file.seccomp,
+            "landlock" => base.landlock = file.landlock,
+            "nbd-ports" => base.nbd_ports = file.nbd_ports.clone(),
+            _ => {}
+        }
+    }
+    base
+}
+
+/// How `vblk disk add` requests are parsed: as `--disk` values, with no inherited flags.
+pub fn disk_parser() -> device::DiskParser {
+    device::DiskParser(Arc::new(|spec: &str| {
+        let what = format!("disk {spec}");
+        disk_from_items(&split_items(spec), &[], &what)?
+            .into_served(Some(Listen::Fd(-1)), "disk".into())
+            .map_err(|e| format!("{what}: {e}"))
+    }))
+}
+
 /// `vblk serve`.
-pub fn run(args: ServeArgs) -> Result<(), Box<dyn Error>> {
+pub fn run(args: ServeArgs, matches: &clap::ArgMatches) -> Result<(), Box<dyn Error>> {
     if args.print_capabilities {
         println!("{}", capabilities());
         return Ok(());
@@ -423,13 +337,14 @@ pub fn run(args: ServeArgs) -> Result<(), Box<dyn Error>> {
         }
         return Ok(());
     }
-    let (config, listen) = <(DeviceConfig, Listen)>::try_from(args)?;
+    let (mut daemon, disks) = plan(args, matches)?;
+    daemon.disk_parser = Some(disk_parser());
     let controls = Arc::new(Controls::new()?);
     let set = block_signals()?;
     // The signal thread starts once the daemon is confined, so that it is too.
     let c = controls.clone();
     let mut started = false;
-    device::serve(&config, &listen, &controls, &mut || {
+    device::serve(&daemon, disks, &controls, &mut || {
         if !started {
             started = true;
             if let Err(e) = wait_for_signals(set, c.clone()) {
@@ -500,18 +415,30 @@ fn wait_for_signals(set: libc::sigset_t, controls: Arc<Controls>) -> std::io::Re
 
 #[cfg(test)]
 mod tests {
-    use clap::{CommandFactory, Parser};
+    use clap::CommandFactory;
+    use device::DeviceConfig;
+    use storage::{CacheMode, DiskSpec, EngineKind, Format, ImageChecks, ImageLock};
 
     use super::*;
     use crate::cli::{Cli, Command};
 
-    fn serve(args: &[&str]) -> Result<(DeviceConfig, Listen), String> {
-        let cli =
-            Cli::try_parse_from(["vblk", "serve"].iter().chain(args)).map_err(|e| e.to_string())?;
+    fn plan_of(args: &[&str]) -> Result<(DaemonConfig, Vec<ServedDisk>), String> {
+        let matches = Cli::command()
+            .try_get_matches_from(["vblk", "serve"].iter().chain(args))
+            .map_err(|e| e.to_string())?;
+        let cli = Cli::from_arg_matches(&matches).map_err(|e| e.to_string())?;
+        let sub = matches.subcommand_matches("serve").unwrap();
         match cli.command {
-            Command::Serve(a) => <(DeviceConfig, Listen)>::try_from(*a),
+            Command::Serve(a) => plan(*a, sub),
             _ => Err("not serve".into()),
         }
+    }
+
+    fn serve(args: &[&str]) -> Result<(DeviceConfig, Listen), String> {
+        let (_, mut disks) = plan_of(args)?;
+        assert_eq!(disks.len(), 1);
+        let d = disks.remove(0);
+        Ok((d.config, d.listen))
     }
 
     #[test]
@@ -570,11 +497,25 @@ mod tests {
         .unwrap();
         assert_eq!(l, Listen::Path("/run/x.sock".into()));
         assert_eq!(c.disk, DiskSpec::Mem(1 << 30));
-        assert_eq!((c.num_queues, c.threads, c.queue_size), (4, 2, 128));
-        assert_eq!(c.cpus, vec![0, 1]);
+        assert_eq!((c.num_queues, c.queue_size), (4, 128));
         assert_eq!(c.engine, EngineKind::Sync);
         assert_eq!(c.cache, CacheMode::None);
-        assert_eq!(c.poll_us, 0);
+        let (d, disks) = plan_of(&[
+            "--socket-path",
+            "/run/x.sock",
+            "--blk-file",
+            "mem:1G",
+            "--threads",
+            "2",
+            "--cpus",
+            "0,1",
+            "--poll-us",
+            "0",
+        ])
+        .unwrap();
+        assert_eq!((d.threads, d.poll_us), (2, 0));
+        assert_eq!(d.cpus, vec![0, 1]);
+        assert_eq!(disks[0].id, "x", "named after its socket");
         assert!(c.read_only && c.prealloc);
         assert_eq!(c.serial.as_deref(), Some("abc"));
         assert_eq!(c.effective_submit_batch(), 2);
@@ -646,13 +587,11 @@ mod tests {
             "/x",
             "--blk-file",
             "null:1G",
-            "--num-queues",
-            "2",
             "--threads",
-            "3",
+            "0",
         ])
         .unwrap_err();
-        assert!(e.contains("--threads 3"), "{e}");
+        assert!(e.contains("--threads 0: must be between 1 and 256"), "{e}");
         let e = serve(&["--socket-path", "/x", "--fd", "3", "--blk-file", "null:1G"]).unwrap_err();
         assert!(e.contains("cannot be used with"), "{e}");
         let e = serve(&[
@@ -711,5 +650,143 @@ mod tests {
         ])
         .unwrap_err();
         assert!(e.contains("auto") && e.contains("on, off"), "{e}");
+    }
+
+    #[test]
+    fn several_disks_on_the_command_line() {
+        let (d, disks) = plan_of(&[
+            "--threads",
+            "2",
+            "--cache",
+            "none",
+            "--disk",
+            "socket=/run/vm1.sock,file=null:1G,num-queues=4",
+            "--disk",
+            "id=second,socket=/run/b.sock,file=mem:64M,read-only,cache=writeback,serial=a,,b",
+        ])
+        .unwrap();
+        assert_eq!(d.threads, 2);
+        assert_eq!(disks.len(), 2);
+        assert_eq!(disks[0].id, "vm1");
+        assert_eq!(disks[0].listen, Listen::Path("/run/vm1.sock".into()));
+        assert_eq!(disks[0].config.num_queues, 4);
+        assert_eq!(
+            disks[0].config.cache,
+            CacheMode::None,
+            "a disk flag outside --disk applies to every --disk"
+        );
+        assert_eq!(
+            disks[0].spec,
+            "socket=/run/vm1.sock,file=null:1G,num-queues=4"
+        );
+        assert_eq!(disks[1].id, "second");
+        assert!(disks[1].config.read_only);
+        assert_eq!(
+            disks[1].config.cache,
+            CacheMode::Writeback,
+            "a key inside --disk wins"
+        );
+        assert_eq!(
+            disks[1].config.serial.as_deref(),
+            Some("a,b"),
+            "a doubled comma"
+        );
+        assert_eq!(disks[1].config.disk, DiskSpec::Mem(64 << 20));
+    }
+
+    #[test]
+    fn bad_disks_are_clear_errors() {
+        let e = plan_of(&["--disk", "socket=/a.sock,file=null:1G,threads=2"]).unwrap_err();
+        assert!(e.contains("threads applies to the whole daemon"), "{e}");
+        let e = plan_of(&["--disk", "socket=/a.sock,file=null:1G,colour=red"]).unwrap_err();
+        assert!(
+            e.contains("unknown key \"colour\"") && e.contains("num-queues"),
+            "{e}"
+        );
+        let e = plan_of(&["--disk", "socket=/a.sock,file=null:1G,num-queues=x"]).unwrap_err();
+        assert!(
+            e.contains("--disk socket=/a.sock") && e.contains("num-queues"),
+            "{e}"
+        );
+        let e = plan_of(&["--disk", "file=null:1G"]).unwrap_err();
+        assert!(e.contains("needs its socket"), "{e}");
+        let e = plan_of(&[
+            "--blk-file",
+            "null:1G",
+            "--disk",
+            "socket=/a.sock,file=null:1G",
+        ])
+        .unwrap_err();
+        assert!(e.contains("--blk-file names the one disk"), "{e}");
+        let e = plan_of(&["--disk", "socket=/a.sock,file=null:1G,read-only=maybe"]).unwrap_err();
+        assert!(e.contains("read-only=maybe: expected on or off"), "{e}");
+        let e = plan_of(&["--disk", "socket=/a.sock,file=null:1G,id=a/b"]).unwrap_err();
+        assert!(e.contains("disk id \"a/b\""), "{e}");
+    }
+
+    #[test]
+    fn a_config_file_holds_the_daemon_and_its_disks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disks.toml");
+        std::fs::write(
+            &path,
+            r#"
+threads = 2
+poll-us = 50
+control-socket = "/run/vblk/control.sock"
+
+[[disk]]
+socket = "/run/vblk/vm1.sock"
+file = "null:1G"
+num-queues = 2
+read-only = true
+
+[[disk]]
+id = "vm2"
+socket = "/run/vblk/other.sock"
+file = "mem:64M"
+cache = "none"
+"#,
+        )
+        .unwrap();
+        let p = path.to_str().unwrap();
+        let (d, disks) = plan_of(&["--config", p]).unwrap();
+        assert_eq!((d.threads, d.poll_us), (2, 50));
+        assert_eq!(d.control_socket, Some("/run/vblk/control.sock".into()));
+        assert_eq!(disks.len(), 2);
+        assert_eq!(disks[0].id, "vm1");
+        assert!(disks[0].config.read_only);
+        assert_eq!(disks[0].config.num_queues, 2);
+        assert_eq!(disks[1].id, "vm2");
+        assert_eq!(disks[1].config.cache, CacheMode::None);
+        let e = plan_of(&["--config", p, "--threads", "4"]).unwrap_err();
+        assert!(e.contains("threads is given both"), "{e}");
+        let (d, _) = plan_of(&["--config", p, "--seccomp", "log"]).unwrap();
+        assert_eq!(
+            d.threads, 2,
+            "the file's keys and the command line's together"
+        );
+        std::fs::write(&path, "threads = 2\nnum-queues = 4\n").unwrap();
+        let e = plan_of(&["--config", p]).unwrap_err();
+        assert!(
+            e.contains("unknown key \"num-queues\" at the top level"),
+            "{e}"
+        );
+        std::fs::write(&path, "threads = 2\n").unwrap();
+        let e = plan_of(&["--config", p]).unwrap_err();
+        assert!(e.contains("no [[disk]] table"), "{e}");
+        std::fs::write(
+            &path,
+            "[[disk]]\nsocket = \"/a\"\nfile = \"null:1G\"\nthreads = 1\n",
+        )
+        .unwrap();
+        let e = plan_of(&["--config", p]).unwrap_err();
+        assert!(
+            e.contains("[[disk]] 1: threads applies to the whole daemon"),
+            "{e}"
+        );
+        std::fs::write(&path, "threads = [").unwrap();
+        let e = plan_of(&["--config", p]).unwrap_err();
+        assert!(e.contains("disks.toml"), "{e}");
     }
 }

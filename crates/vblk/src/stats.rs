@@ -1,22 +1,21 @@
 //! `vblk stats`: read a running `vblk serve`'s statistics from its control socket.
 
 use std::error::Error;
-use std::io::Read;
-use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// Show a running `vblk serve`'s statistics (it must run with `--control-socket PATH`).
 ///
-/// Without `--interval`: counters since the daemon started, per queue — requests and
+/// Without `--interval`: for each disk (or the one `--disk` names), counters since the
+/// disk was added, per queue — requests and
 /// MiB by type, average completion latency, requests in flight, malformed (rejected) and
 /// failed requests — then completion-latency percentiles (fio's clat, in µs) and each
-/// worker's polling hits and misses.
+/// worker thread's polling hits and misses.
 ///
-/// With `--interval SECS`: one line per active queue every SECS seconds, with the rates
+/// With `--interval SECS`: one line per active queue of each disk every SECS seconds, with the rates
 /// of that interval in `iostat -x`'s names and units: r/s, rkB/s, r_await (ms), w/s,
 /// wkB/s, w_await, f/s (flushes), d/s (discards and write-zeroes), aqu-sz (requests in
 /// flight at the end of the interval).
@@ -34,6 +33,10 @@ pub struct StatsArgs {
     #[arg(value_name = "PATH")]
     pub socket: PathBuf,
 
+    /// Only this disk (its id: `vblk disk list`).
+    #[arg(long, value_name = "ID")]
+    pub disk: Option<String>,
+
     /// Print the daemon's JSON snapshot as it is.
     #[arg(long, conflicts_with = "interval")]
     pub json: bool,
@@ -47,20 +50,13 @@ pub struct StatsArgs {
     pub count: Option<u64>,
 }
 
-/// One snapshot from the daemon.
-fn fetch(path: &PathBuf) -> Result<Value, Box<dyn Error>> {
-    let mut s = UnixStream::connect(path).map_err(|e| {
-        format!(
-            "cannot connect to {}: {e} (is `vblk serve --control-socket {}` running?)",
-            path.display(),
-            path.display()
-        )
-    })?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf)?;
-    let v: Value = serde_json::from_str(&buf)
-        .map_err(|e| format!("{}: not a vblk statistics socket ({e})", path.display()))?;
+/// One snapshot from the daemon (of disk `id` only, if given).
+fn fetch(path: &Path, id: Option<&str>) -> Result<Value, Box<dyn Error>> {
+    let mut body = json!({"op": "stats"});
+    if let Some(id) = id {
+        body["id"] = json!(id);
+    }
+    let v = crate::disk::request(path, &body, &[], Duration::from_secs(5))?;
     if v["vblk_stats"] != 1 {
         return Err(format!("{}: not a vblk statistics socket", path.display()).into());
     }
@@ -107,12 +103,55 @@ fn avg_us(o: &Value) -> f64 {
     u(&o["lat"]["sum_ns"]) as f64 / n as f64 / 1000.0
 }
 
+/// The disks of a snapshot: every entry of `disks`, or the document itself (a daemon
+/// from before several disks).
+fn disks(v: &Value) -> Vec<Value> {
+    match v["disks"].as_array() {
+        Some(d) => d.clone(),
+        None => vec![v.clone()],
+    }
+}
+
 fn print_snapshot(v: &Value) {
+    let all = disks(v);
+    for (i, d) in all.iter().enumerate() {
+        if i > 0 {
+            println!();
+        }
+        print_disk(d, u(&v["uptime_ns"]));
+    }
+    print_workers(v);
+}
+
+fn print_workers(v: &Value) {
+    for w in v["workers"].as_array().cloned().unwrap_or_default() {
+        println!(
+            "worker {}: polling found work {} times, ran out {} times; slept {} times; a sleep costs {:.1} µs of CPU, polling window {:.1} µs{}",
+            u(&w["worker"]),
+            u(&w["poll_hits"]),
+            u(&w["poll_misses"]),
+            u(&w["sleeps"]),
+            u(&w["sleep_cost_ns"]) as f64 / 1e3,
+            u(&w["poll_window_ns"]) as f64 / 1e3,
+            if w["poll_forced"].as_bool() == Some(true) {
+                " (kept on: the guest waits for wake-ups)"
+            } else {
+                ""
+            }
+        );
+    }
+}
+
+fn print_disk(v: &Value, uptime_ns: u64) {
     println!(
-        "vblk serve: {} ({:.1} GiB), up {:.1} s, {} queues offered",
+        "vblk serve: {}{} ({:.1} GiB), up {:.1} s, {} queues offered",
+        v["id"]
+            .as_str()
+            .map(|id| format!("disk {id}: "))
+            .unwrap_or_default(),
         v["disk"].as_str().unwrap_or("?"),
         u(&v["capacity_bytes"]) as f64 / (1u64 << 30) as f64,
-        u(&v["uptime_ns"]) as f64 / 1e9,
+        uptime_ns as f64 / 1e9,
         u(&v["num_queues"])
     );
     let queues = v["queues"].as_array().cloned().unwrap_or_default();
@@ -176,22 +215,6 @@ fn print_snapshot(v: &Value) {
             }
         }
     }
-    for w in v["workers"].as_array().cloned().unwrap_or_default() {
-        println!(
-            "worker {}: polling found work {} times, ran out {} times; slept {} times; a sleep costs {:.1} µs of CPU, polling window {:.1} µs{}",
-            u(&w["worker"]),
-            u(&w["poll_hits"]),
-            u(&w["poll_misses"]),
-            u(&w["sleeps"]),
-            u(&w["sleep_cost_ns"]) as f64 / 1e3,
-            u(&w["poll_window_ns"]) as f64 / 1e3,
-            if w["poll_forced"].as_bool() == Some(true) {
-                " (kept on: the guest waits for wake-ups)"
-            } else {
-                ""
-            }
-        );
-    }
     let l = &v["lifecycle"];
     if !l.is_null() {
         println!(
@@ -251,22 +274,56 @@ fn counters(q: &Value) -> [u64; 10] {
 }
 
 fn print_rates(prev: &Value, now: &Value, secs: f64) {
+    let before = disks(prev);
+    let after = disks(now);
+    let many = after.len() > 1;
+    println!(
+        "{}{:>5} {:>9} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7}",
+        if many {
+            format!("{:<16} ", "disk")
+        } else {
+            String::new()
+        },
+        "queue",
+        "r/s",
+        "rkB/s",
+        "r_await",
+        "w/s",
+        "wkB/s",
+        "w_await",
+        "f/s",
+        "d/s",
+        "aqu-sz"
+    );
+    for d in &after {
+        let id = d["id"].as_str().unwrap_or("");
+        let p = before
+            .iter()
+            .find(|b| b["id"].as_str().unwrap_or("") == id)
+            .cloned()
+            .unwrap_or(Value::Null);
+        let label = if many {
+            format!("{id:<16} ")
+        } else {
+            String::new()
+        };
+        print_disk_rates(&label, &p, d, secs);
+    }
+}
+
+fn print_disk_rates(label: &str, prev: &Value, now: &Value, secs: f64) {
     let find = |v: &Value, i: u64| {
         v["queues"]
             .as_array()
             .and_then(|qs| qs.iter().find(|q| u(&q["queue"]) == i).cloned())
     };
-    println!(
-        "{:>5} {:>9} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7}",
-        "queue", "r/s", "rkB/s", "r_await", "w/s", "wkB/s", "w_await", "f/s", "d/s", "aqu-sz"
-    );
     for q in now["queues"].as_array().cloned().unwrap_or_default() {
         let c = counters(&q);
         let p = find(prev, c[9]).map_or([0; 10], |q| counters(&q));
         let d = |i: usize| c[i].saturating_sub(p[i]) as f64;
         let await_ms = |ios: f64, ns: f64| if ios > 0.0 { ns / ios / 1e6 } else { 0.0 };
         println!(
-            "{:>5} {:>9.1} {:>9.1} {:>8.3} {:>9.1} {:>9.1} {:>8.3} {:>8.1} {:>8.1} {:>7}",
+            "{label}{:>5} {:>9.1} {:>9.1} {:>8.3} {:>9.1} {:>9.1} {:>8.3} {:>8.1} {:>8.1} {:>7}",
             c[9],
             d(0) / secs,
             d(1) / 1024.0 / secs,
@@ -283,7 +340,8 @@ fn print_rates(prev: &Value, now: &Value, secs: f64) {
 
 /// `vblk stats`.
 pub fn run(args: StatsArgs) -> Result<(), Box<dyn Error>> {
-    let first = fetch(&args.socket)?;
+    let id = args.disk.as_deref();
+    let first = fetch(&args.socket, id)?;
     if args.json {
         println!("{first}");
         return Ok(());
@@ -299,7 +357,7 @@ pub fn run(args: StatsArgs) -> Result<(), Box<dyn Error>> {
     let mut n = 0;
     while args.count.is_none_or(|c| n < c) {
         std::thread::sleep(Duration::from_secs_f64(secs));
-        let now = fetch(&args.socket)?;
+        let now = fetch(&args.socket, id)?;
         let elapsed = (u(&now["uptime_ns"]).saturating_sub(u(&prev["uptime_ns"]))) as f64 / 1e9;
         print_rates(&prev, &now, elapsed.max(1e-9));
         prev = now;

@@ -54,10 +54,8 @@ fn fixture() -> &'static Fixture {
         let config = |engine| DeviceConfig {
             disk: spec.clone(),
             num_queues: QUEUES as u16,
-            threads: 1,
             queue_size: 256,
             engine,
-            poll_us: 0,
             ..DeviceConfig::default()
         };
         Fixture {

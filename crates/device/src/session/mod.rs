@@ -34,16 +34,17 @@ use proto::RingInfo;
 use storage::Backend;
 
 use crate::blk::Blk;
-use crate::config::DeviceConfig;
 use crate::dirty_log::DirtyLog;
-use crate::fence::Fence;
+use crate::disk::DiskShared;
 use crate::inflight::InflightRegion;
 use crate::memory::{GuestMemory, RegionDesc};
 use crate::ring::{DeviceRing, RingAddrs};
-use crate::stats::{LifecycleStats, QueueStats, Stats};
+use crate::stats::{LifecycleStats, QueueStats};
 use crate::vring_fd::VringFd;
 use crate::wire::{protocol, BackendChannel, VHOST_F_LOG_ALL};
-use crate::worker::{indirect_acked, Command, Lost, QueueStart, WorkerHandle, WorkerSetup};
+use crate::worker::{
+    indirect_acked, Command, Lost, Mailbox, QueueStart, Worker, WorkerHandle, WorkerSetup,
+};
 
 pub(crate) use messages::SessionEnd;
 
@@ -117,20 +118,19 @@ pub(crate) struct Session {
 impl Session {
     /// A session serving `disk` as `config` says on the connection `conn` (a clone of the
     /// stream the messages arrive on, used to end it from a worker).
-    pub(crate) fn new(
-        config: &DeviceConfig,
-        disk: &Arc<Backend>,
-        conn: UnixStream,
-        stats: &Stats,
-        fence: &Arc<Fence>,
-    ) -> Result<Session, storage::Error> {
+    pub(crate) fn new(shared: &DiskShared, conn: UnixStream) -> Result<Session, storage::Error> {
+        let (config, disk, stats, fence) =
+            (&shared.config, &shared.disk, &shared.stats, &shared.fence);
+        let pool = &shared.pool;
         let blk = Arc::new(Blk::new(config, disk));
         if let Some(wb) = disk.remembered_writeback() {
             // The guest chose it (here or on the source of a migration): keep to it.
             blk.writeback.store(wb, Ordering::Relaxed);
         }
         let num_queues = usize::from(config.num_queues);
-        let threads = config.threads.clamp(1, num_queues);
+        // Queue i is served by worker i % workers; worker w runs on pool thread
+        // (first + w) % threads, so that the disks of a daemon spread over its threads.
+        let threads = pool.len().clamp(1, num_queues);
         let poison = Arc::new(AtomicBool::new(false));
         let conn = Arc::new(conn);
         let mut workers = Vec::with_capacity(threads);
@@ -153,8 +153,6 @@ impl Session {
                 blk: blk.clone(),
                 engine,
                 depth,
-                poll_us: config.poll_us,
-                cpu: (!config.cpus.is_empty()).then(|| config.cpus[t % config.cpus.len()]),
                 submit_batch: config.effective_submit_batch(),
                 drain_timeout: config.drain_timeout,
                 fence: fence.clone(),
@@ -162,18 +160,21 @@ impl Session {
                 kill: Box::new(move || {
                     let _ = conn.shutdown(std::net::Shutdown::Both);
                 }),
-                stats: stats.workers[t].clone(),
                 lifecycle: stats.lifecycle.clone(),
             };
             // Ending waits for the engine's requests: as long as a drain may take.
             let join = config.drain_timeout + ANSWER_TIMEOUT;
-            workers.push(WorkerHandle::spawn(setup, join).map_err(|source| {
-                storage::Error::EngineSetup {
-                    engine: "worker thread",
-                    depth: depth as u32,
-                    source,
-                }
-            })?);
+            let setup_err = |source| storage::Error::EngineSetup {
+                engine: "worker",
+                depth: depth as u32,
+                source,
+            };
+            let worker = Worker::new(setup, Arc::new(Mailbox::new().map_err(setup_err)?))
+                .map_err(setup_err)?;
+            workers.push(
+                pool.attach(shared.first_thread + t, worker, join)
+                    .map_err(setup_err)?,
+            );
         }
         Ok(Session {
             blk,

@@ -86,36 +86,48 @@ fn generations_never_alias_a_zombie_whatever_the_number_of_starts() {
     assert_eq!(rig.worker.zombies(), 0);
 }
 
-/// A worker thread that panics is reported by the next command, which does not hang, and
-/// dropping its handle does not hang either.
+/// A worker that panics is reported by the next command, which does not hang, and
+/// dropping its handle does not hang either; the thread it ran on goes on serving the
+/// other workers it holds (another disk's, in a daemon serving several).
 #[test]
 fn a_worker_panic_is_reported_not_a_hang() {
-    let rig = Rig::new(false, EngineKind::Sync);
-    let Rig {
-        worker, mailbox, ..
-    } = rig;
-    let handle = worker.into_thread(mailbox, Duration::from_secs(5));
+    let Rig { worker, .. } = Rig::new(false, EngineKind::Sync);
+    let Rig { worker: other, .. } = Rig::new(false, EngineKind::Sync);
+    let pool = crate::worker::Pool::new(&crate::worker::PoolConfig::default()).unwrap();
+    let handle = pool.attach(0, worker, Duration::from_secs(5)).unwrap();
+    let bystander = pool.attach(0, other, Duration::from_secs(5)).unwrap();
     handle.send(Command::Panic);
     let t0 = Instant::now();
-    let mem = Arc::new(GuestMemory::empty());
-    let r = handle.ask(Duration::from_secs(10), |reply| Command::Memory {
-        mem,
-        reply,
-    });
+    let ask_memory = |h: &crate::worker::WorkerHandle| {
+        let mem = Arc::new(GuestMemory::empty());
+        h.ask(Duration::from_secs(10), |reply| Command::Memory {
+            mem,
+            reply,
+        })
+    };
+    let r = ask_memory(&handle);
     assert!(
         matches!(r, Err(crate::worker::Lost::Gone(0))),
         "{r:?}: a worker that panicked is reported gone"
     );
-    // The thread ends once its unwinding has dropped the engine.
+    // It ends once the reaper has dropped it (and its engine).
     while !handle.ended() {
         assert!(
             t0.elapsed() < Duration::from_secs(5),
-            "the thread did not end"
+            "the worker did not end"
         );
         std::thread::sleep(Duration::from_millis(5));
     }
     drop(handle);
     assert!(t0.elapsed() < Duration::from_secs(5));
+    let r = ask_memory(&bystander);
+    assert!(
+        r.is_ok(),
+        "{r:?}: the other worker on the same thread is still served"
+    );
+    assert!(!bystander.ended());
+    drop(bystander);
+    drop(pool);
 }
 
 /// The frontend clears O_NONBLOCK on the call eventfd it shares with us and saturates it:

@@ -134,7 +134,6 @@ impl Rig {
             read_only,
             queue_size: QSIZE,
             engine,
-            poll_us: 0,
             ..Default::default()
         };
         let disk = Arc::new(
@@ -188,14 +187,11 @@ impl Rig {
             blk: blk.clone(),
             engine,
             depth,
-            poll_us: 0,
-            cpu: None,
             submit_batch: 0,
             drain_timeout: crate::config::DEFAULT_DRAIN_TIMEOUT,
             fence: fence.clone(),
             poison: Arc::new(AtomicBool::new(false)),
             kill: Box::new(move || k.store(true, std::sync::atomic::Ordering::SeqCst)),
-            stats: Arc::default(),
             lifecycle: Arc::default(),
         });
         let (call, call_file) = eventfd_pair();

@@ -184,7 +184,6 @@ fn hold_rig_failing(depth: usize) -> (Rig, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     let config = DeviceConfig {
         disk: DiskSpec::File(file.path().to_path_buf()),
         queue_size: QSIZE,
-        poll_us: 0,
         ..Default::default()
     };
     let disk = Arc::new(Backend::open(&config.disk, &OpenOptions::default()).unwrap());

@@ -15,8 +15,9 @@ const NEED_REPLY: u32 = 0x8;
 
 /// A session and the frontend's end of its socket.
 struct Front {
+    // Dropped first: its workers run on the pool's threads.
     session: Session,
-    stats: crate::stats::Stats,
+    shared: crate::disk::DiskShared,
     ours: UnixStream,
     theirs: UnixStream,
     _file: tempfile::NamedTempFile,
@@ -30,7 +31,6 @@ impl Front {
             disk: DiskSpec::File(file.path().to_path_buf()),
             read_only,
             num_queues: 2,
-            poll_us: 0,
             ..Default::default()
         };
         let disk = Arc::new(
@@ -45,10 +45,19 @@ impl Front {
         );
         let (ours, theirs) = UnixStream::pair().unwrap();
         let clone = theirs.try_clone().unwrap();
-        let stats = crate::stats::Stats::new(2, 1, "test".into());
+        let pool = crate::worker::Pool::new(&crate::worker::PoolConfig::default()).unwrap();
+        let shared = crate::disk::DiskShared::new(
+            "test".into(),
+            config,
+            disk,
+            Arc::new(pool),
+            0,
+            "test".into(),
+            String::new(),
+        );
         Front {
-            session: Session::new(&config, &disk, clone, &stats, &Arc::default()).unwrap(),
-            stats,
+            session: Session::new(&shared, clone).unwrap(),
+            shared,
             ours,
             theirs,
             _file: file,
@@ -271,7 +280,8 @@ fn dirty_logging_goes_on_and_off_with_log_all() {
     let mut f = Front::new(false);
     f.handshake(protocol::LOG_SHMFD, all_features());
     let active = |f: &Front| {
-        f.stats
+        f.shared
+            .stats
             .lifecycle
             .log_active
             .load(std::sync::atomic::Ordering::Relaxed)

@@ -2,18 +2,18 @@
 //! control thread fills and the worker empties, plus an eventfd that wakes it), answers on
 //! a one-shot channel, each awaited with a deadline.
 //!
-//! A worker that does not answer in time, or whose thread has ended (a panic), is
-//! reported as [`Lost`]: the session then ends and the daemon serves the next frontend. A
-//! worker thread is joined with a deadline too; one that does not end in time is left to
-//! end on its own (its requests stay counted in the device's [`Fence`](super::Fence), so
-//! nothing of it can land after a later session's requests).
+//! A worker that does not answer in time, or that panicked (its thread drops it and
+//! serves its other workers on), is reported as [`Lost`]: the session then ends and the
+//! daemon serves the next frontend. Ending a worker is awaited with a deadline too; one
+//! that does not end in time is left to end on its own (its requests stay counted in the
+//! device's [`Fence`](super::Fence), so nothing of it can land after a later session's
+//! requests).
 
 use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use log::error;
@@ -78,18 +78,31 @@ pub(crate) struct Mailbox {
     cmds: Mutex<VecDeque<Command>>,
     pub(super) pending: AtomicBool,
     pub(super) efd: EventFd,
+    /// Set when the worker panicked: it takes no more commands.
+    gone: AtomicBool,
 }
 
 impl Mailbox {
-    pub(super) fn new() -> io::Result<Mailbox> {
+    pub(crate) fn new() -> io::Result<Mailbox> {
         Ok(Mailbox {
             cmds: Mutex::new(VecDeque::new()),
             pending: AtomicBool::new(false),
             efd: EventFd::new(EFD_NONBLOCK)?,
+            gone: AtomicBool::new(false),
         })
     }
 
+    /// The worker panicked: commands waiting are dropped (whoever awaits an answer learns
+    /// at once that none comes) and later ones too.
+    pub(super) fn fail(&self) {
+        self.gone.store(true, Ordering::SeqCst);
+        self.take();
+    }
+
     pub(super) fn send(&self, cmd: Command) {
+        if self.gone.load(Ordering::SeqCst) {
+            return;
+        }
         self.cmds
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -108,8 +121,8 @@ impl Mailbox {
 /// A worker that did not answer.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum Lost {
-    /// Its thread ended without answering: it panicked (logged where it happened).
-    #[error("worker {0} is gone (its thread panicked)")]
+    /// It ended without answering: it panicked (logged where it happened).
+    #[error("worker {0} is gone (it panicked)")]
     Gone(usize),
     /// No answer within the deadline.
     #[error("worker {worker} did not answer within {waited:?}")]
@@ -121,42 +134,15 @@ pub(crate) enum Lost {
     },
 }
 
-/// The control thread's handle on a worker thread.
+/// The control thread's handle on a worker (on a thread of the daemon's pool).
 pub(crate) struct WorkerHandle {
     pub(super) id: usize,
     pub(super) mailbox: Arc<Mailbox>,
-    pub(super) thread: Option<JoinHandle<()>>,
-    /// Disconnected once the thread has ended (its sender is dropped last, also when it
-    /// unwinds): joining waits on it instead of polling.
+    /// Disconnected once the worker is dropped (its sender is the worker's last field,
+    /// dropped also when it unwinds): ending waits on it.
     pub(super) ended: Receiver<()>,
-    /// How long dropping the handle waits for the thread to end.
+    /// How long dropping the handle waits for the worker to end.
     pub(super) join_timeout: Duration,
-}
-
-impl WorkerHandle {
-    /// Run `body` on a new thread named `name`; the handle's `ended` channel disconnects
-    /// when the thread has ended, whichever way it ends.
-    pub(super) fn start(
-        id: usize,
-        mailbox: Arc<Mailbox>,
-        join_timeout: Duration,
-        body: impl FnOnce() + Send + 'static,
-    ) -> io::Result<WorkerHandle> {
-        let (tx, ended) = sync_channel::<()>(0);
-        let thread = std::thread::Builder::new()
-            .name(format!("vblk-worker-{id}"))
-            .spawn(move || {
-                let _ended = tx;
-                body();
-            })?;
-        Ok(WorkerHandle {
-            id,
-            mailbox,
-            thread: Some(thread),
-            ended,
-            join_timeout,
-        })
-    }
 }
 
 impl WorkerHandle {
@@ -182,25 +168,21 @@ impl WorkerHandle {
         }
     }
 
-    /// Whether the worker thread has ended (normally only after Exit; else it panicked).
+    /// Whether the worker has ended (normally only after Exit; else it panicked).
     pub(crate) fn ended(&self) -> bool {
-        self.thread.as_ref().is_none_or(|t| t.is_finished())
+        self.mailbox.gone.load(Ordering::SeqCst)
+            || matches!(self.ended.try_recv(), Err(TryRecvError::Disconnected))
     }
 }
 
 impl Drop for WorkerHandle {
     fn drop(&mut self) {
         self.mailbox.send(Command::Exit);
-        let Some(t) = self.thread.take() else { return };
         if let Err(RecvTimeoutError::Timeout) = self.ended.recv_timeout(self.join_timeout) {
             error!(
-                "worker {}: its thread did not end within {:?} (requests still at the disk); it is left to end on its own, and its requests keep later ones fenced",
+                "worker {}: it did not end within {:?} (requests still at the disk); it is left to end on its own, and its requests keep later ones fenced",
                 self.id, self.join_timeout
             );
-            return;
-        }
-        if t.join().is_err() {
-            error!("worker {}: its thread panicked", self.id);
         }
     }
 }

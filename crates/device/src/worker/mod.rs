@@ -20,8 +20,10 @@
 //! end, on whichever worker it runs.
 
 mod mailbox;
+mod pool;
 mod queue;
 mod request;
+mod thread;
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -36,6 +38,7 @@ use storage::{Completion, Engine, Full, Op};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 pub(crate) use mailbox::{Command, Lost, Mailbox, WorkerHandle};
+pub(crate) use pool::{Pool, PoolConfig};
 pub(crate) use queue::QueueStart;
 #[cfg(test)]
 pub(crate) use queue::SLOT_IOVECS;
@@ -46,17 +49,15 @@ use crate::blk::Blk;
 use crate::dirty_log::DirtyLog;
 use crate::fence::{fetch_max, Fence};
 use crate::memory::GuestMemory;
-use crate::poll::Poll;
-use crate::stats::{bump, LifecycleStats, WorkerStats};
+use crate::stats::{bump, LifecycleStats};
 use crate::vring_fd::FdKind;
 
-/// Empty polling passes between two reads of the clock.
-const IDLE_PASSES_PER_CLOCK: u32 = 16;
 /// How often a worker with a fenced queue looks whether the fence has lifted.
 const FENCE_CHECK: Duration = Duration::from_millis(10);
-/// epoll data of the engine's completion fd and of the mailbox.
-const EV_ENGINE: u64 = u64::MAX - 1;
-const EV_MAILBOX: u64 = u64::MAX;
+/// The low half of a worker's epoll data (the high half is the worker's key on its
+/// thread): a queue index, or the engine's completion fd, or the mailbox.
+const EV_ENGINE: u32 = u32::MAX - 1;
+const EV_MAILBOX: u32 = u32::MAX;
 
 /// What a worker is made of.
 pub(crate) struct WorkerSetup {
@@ -64,8 +65,6 @@ pub(crate) struct WorkerSetup {
     pub blk: Arc<Blk>,
     pub engine: Box<dyn Engine>,
     pub depth: usize,
-    pub poll_us: u64,
-    pub cpu: Option<usize>,
     pub submit_batch: u32,
     /// How long a ring stop waits for the queue's requests.
     pub drain_timeout: Duration,
@@ -76,19 +75,16 @@ pub(crate) struct WorkerSetup {
     /// Called (once) when the worker must end the session: guest memory truncated under
     /// it, or a descriptor the frontend wedged.
     pub kill: Box<dyn Fn() + Send>,
-    /// This worker's counters.
-    pub stats: Arc<WorkerStats>,
     /// The daemon's ring-stop and misbehaviour counters.
     pub lifecycle: Arc<LifecycleStats>,
 }
 
-impl WorkerHandle {
-    /// Start a worker thread. Dropping the handle waits up to `join_timeout` for it to end.
-    pub(crate) fn spawn(setup: WorkerSetup, join_timeout: Duration) -> io::Result<WorkerHandle> {
-        let mailbox = Arc::new(Mailbox::new()?);
-        let worker = Worker::new(setup, mailbox.clone())?;
-        WorkerHandle::start(worker.id, mailbox, join_timeout, move || worker.run())
-    }
+/// What a worker's thread must know before it sleeps ([`Worker::sleep_hint`]).
+pub(super) struct SleepHint {
+    /// Wake by then even without an event.
+    pub deadline: Option<Instant>,
+    /// The engine holds completions no fd announces: do not sleep.
+    pub unannounced: bool,
 }
 
 /// An engine in place of the real one once it is dropped (the worker is ending).
@@ -133,13 +129,14 @@ pub(crate) struct Worker {
     depth: usize,
     blk: Arc<Blk>,
     mailbox: Arc<Mailbox>,
-    epoll: Epoll,
+    /// The epoll of the thread that runs this worker, and the worker's key in it (the
+    /// high half of every epoll data it registers).
+    epoll: Arc<Epoll>,
+    key: u64,
     parser: Parser,
     mem: Arc<GuestMemory>,
     /// Older memory views still referenced by requests in flight.
     retired: Vec<Arc<GuestMemory>>,
-    poll: Poll,
-    pin: Option<usize>,
     /// Submit to the engine after this many pushes (usize::MAX: once per pass).
     submit_every: usize,
     unsubmitted: usize,
@@ -157,34 +154,26 @@ pub(crate) struct Worker {
     kill: Option<Box<dyn Fn() + Send>>,
     io_log: RateLimit,
     exit: bool,
+    /// It panicked: its thread lets go of it.
+    failed: bool,
     /// How long a GET_VRING_BASE waits for the queue's requests.
     drain_timeout: Duration,
-    stats: Arc<WorkerStats>,
     lifecycle: Arc<LifecycleStats>,
     /// Live migration's dirty log, while it runs.
     log: Option<Arc<DirtyLog>>,
     /// The start of the current pass: one clock read per pass times every request.
     now: Instant,
-    /// Work served since the worker last went idle: chains taken from rings plus
+    /// Work served since the thread last took it: chains taken from rings plus
     /// completions taken from the engine (for the polling decision, poll.rs).
     work: u64,
+    /// Dropped last, when everything of the worker is gone: its handle's join waits for
+    /// this (mailbox.rs).
+    _alive: Option<std::sync::mpsc::SyncSender<()>>,
 }
 
 impl Worker {
+    /// A worker that is not on a thread yet: [`Worker::adopt`] puts it on one.
     pub(crate) fn new(setup: WorkerSetup, mailbox: Arc<Mailbox>) -> io::Result<Worker> {
-        let epoll = Epoll::new()?;
-        epoll.ctl(
-            ControlOperation::Add,
-            mailbox.efd.as_raw_fd(),
-            EpollEvent::new(EventSet::IN, EV_MAILBOX),
-        )?;
-        if let Some(fd) = setup.engine.notify_fd() {
-            epoll.ctl(
-                ControlOperation::Add,
-                fd,
-                EpollEvent::new(EventSet::IN, EV_ENGINE),
-            )?;
-        }
         Ok(Worker {
             engine: setup.engine,
             queues: Vec::new(),
@@ -193,12 +182,11 @@ impl Worker {
             depth: setup.depth,
             blk: setup.blk,
             mailbox,
-            epoll,
+            epoll: Arc::new(Epoll::new()?),
+            key: 0,
             parser: Parser::new(0),
             mem: Arc::new(GuestMemory::empty()),
             retired: Vec::new(),
-            poll: Poll::new(setup.poll_us),
-            pin: setup.cpu,
             submit_every: if setup.submit_batch == 0 {
                 usize::MAX
             } else {
@@ -217,152 +205,130 @@ impl Worker {
             kill: Some(setup.kill),
             io_log: RateLimit::new(),
             exit: false,
+            failed: false,
             drain_timeout: setup.drain_timeout,
-            stats: setup.stats,
             lifecycle: setup.lifecycle,
             log: None,
             now: Instant::now(),
             work: 0,
+            _alive: None,
         })
     }
 
-    fn run(mut self) {
-        if let Some(cpu) = self.pin.take() {
-            if let Err(e) = crate::config::pin_current_thread(cpu) {
-                warn!("worker {}: cannot pin to CPU {cpu}: {e}", self.id);
-            }
+    /// Put the worker on the thread whose epoll is `epoll`, as `key` there: its mailbox,
+    /// its engine's completion fd and its queues' kick fds wake that thread from now on.
+    pub(super) fn adopt(&mut self, epoll: Arc<Epoll>, key: u32) -> io::Result<()> {
+        self.detach();
+        self.epoll = epoll;
+        self.key = u64::from(key) << 32;
+        self.epoll.ctl(
+            ControlOperation::Add,
+            self.mailbox.efd.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, self.key | u64::from(EV_MAILBOX)),
+        )?;
+        if let Some(fd) = self.engine.notify_fd() {
+            self.epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, self.key | u64::from(EV_ENGINE)),
+            )?;
         }
-        let mut idle_since: Option<Instant> = None;
-        let mut idle_passes = 0u32;
-        let mut polling = false;
-        let mut events = vec![EpollEvent::default(); 64];
-        while !self.exit {
-            if self.mailbox.pending.load(Ordering::Acquire) {
-                self.handle_commands();
-                continue;
-            }
-            if self.poison.load(Ordering::Relaxed) {
-                self.poisoned();
-            }
-            let progress = self.pass();
-            self.finish_stops();
-            self.check_wedged();
-            if progress {
-                if polling {
-                    let spun = idle_since.map_or(Duration::ZERO, |t| self.now - t);
-                    self.poll.hit(spun);
-                    bump(&self.stats.poll_hits, 1);
-                    polling = false;
-                }
-                idle_since = None;
-                idle_passes = 0;
-                continue;
-            }
-            if idle_since.is_none() {
-                // A busy period ends: credit its work to how the idle period before it
-                // ended (poll.rs compares polling's cost per unit of work with sleeping's).
-                self.poll.busy(std::mem::take(&mut self.work));
-                self.poll.tick(self.now, thread_cpu);
-            }
-            // While polling, read the clock once per IDLE_PASSES_PER_CLOCK empty passes:
-            // it costs more than a pass, and the window need not be exact.
-            idle_passes += 1;
-            if idle_since.is_some() && !idle_passes.is_multiple_of(IDLE_PASSES_PER_CLOCK) {
-                std::hint::spin_loop();
-                continue;
-            }
-            let now = Instant::now();
-            let since = *idle_since.get_or_insert_with(|| {
-                self.poll.idle();
-                now
-            });
-            if now.duration_since(since) < self.poll.window() {
-                polling = true;
-                std::hint::spin_loop();
-                continue;
-            }
-            if polling {
-                self.poll.miss();
-                bump(&self.stats.poll_misses, 1);
-                polling = false;
-            }
-            self.stats
-                .poll_window_ns
-                .store(nanos(self.poll.window()), Ordering::Relaxed);
-            self.stats
-                .poll_forced
-                .store(u64::from(self.poll.forced()), Ordering::Relaxed);
-            if self.rearm() {
-                // Work came in while re-arming: the window's spin found it after all.
-                if let Some(t) = idle_since {
-                    self.poll.hit(Instant::now() - t);
-                }
-                idle_since = None;
-                continue;
-            }
-            self.sleep(&mut events);
-            idle_since = None;
+        for q in &mut self.queues {
+            watch_kick(&self.epoll, self.key, q)?;
+        }
+        Ok(())
+    }
+
+    /// Take everything of this worker out of its thread's epoll (it leaves the thread).
+    /// A descriptor the frontend shares stays open in the frontend: left registered, it
+    /// would keep waking the thread for a worker that is gone.
+    pub(super) fn detach(&mut self) {
+        let del = |fd| {
+            let _ = self
+                .epoll
+                .ctl(ControlOperation::Delete, fd, EpollEvent::default());
+        };
+        del(self.mailbox.efd.as_raw_fd());
+        if let Some(fd) = self.engine.notify_fd() {
+            del(fd);
+        }
+        for q in &self.queues {
+            del(q.kick.file().as_raw_fd());
         }
     }
 
-    /// Wait in epoll for a kick, a completion or a command.
-    fn sleep(&mut self, events: &mut [EpollEvent]) {
-        if self.in_flight > 0 && self.engine.notify_fd().is_none() {
-            // An engine without a completion fd must be waited for here.
-            if let Err(e) = self.engine.wait() {
-                error!(
-                    "worker {}: engine {} wait failed: {e}",
-                    self.id,
-                    self.engine.name()
-                );
-            }
-            return;
-        }
-        let mut timeout: i32 = -1;
-        if self.engine.backlog() > 0 {
-            // The kernel refused some submissions (EAGAIN/EBUSY): retry soon.
-            timeout = 1;
-        }
-        if let Some(d) = self.next_deadline() {
-            let ms = d.saturating_duration_since(Instant::now()).as_millis();
-            timeout = if timeout < 0 {
-                ms.min(1000) as i32 + 1
-            } else {
-                timeout.min(ms as i32 + 1)
-            };
-        }
-        bump(&self.stats.sleeps, 1);
-        // One sleep in poll::SAMPLE_EVERY is measured: the CPU this thread spends on it
-        // (entering epoll, being switched out, woken and switched in) bounds the polling
-        // window (poll.rs). A wait that found events at once did not sleep: not counted.
-        let sample = self
-            .poll
-            .sample_due()
-            .then(|| (thread_cpu(), Instant::now()));
-        let waited = self.epoll.wait(timeout, events);
-        if let Some((cpu0, wall0)) = sample {
-            let (cpu, wall) = (thread_cpu().saturating_sub(cpu0), wall0.elapsed());
-            if wall > cpu + Duration::from_micros(1) {
-                self.poll.slept(cpu);
-                if let Some(c) = self.poll.sleep_cost() {
-                    self.stats.sleep_cost_ns.store(nanos(c), Ordering::Relaxed);
-                }
+    /// Signals its handle once it is dropped.
+    pub(super) fn set_alive(&mut self, alive: std::sync::mpsc::SyncSender<()>) {
+        self._alive = Some(alive);
+    }
+
+    /// The worker's key on its thread.
+    pub(super) fn key(&self) -> u32 {
+        (self.key >> 32) as u32
+    }
+
+    /// One round on its thread: take the commands waiting, then one pass over the
+    /// queues at `now`, answer the stops that can be answered. True if anything was done.
+    pub(super) fn serve_round(&mut self, now: Instant) -> bool {
+        let mut progress = false;
+        if self.mailbox.pending.load(Ordering::Acquire) {
+            self.handle_commands();
+            progress = true;
+            if self.exit {
+                return true;
             }
         }
-        let n = match waited {
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => return,
-            Err(e) => {
-                error!("worker {}: epoll_wait failed: {e}", self.id);
-                std::thread::sleep(Duration::from_millis(1));
-                return;
-            }
+        if self.poison.load(Ordering::Relaxed) {
+            self.poisoned();
+        }
+        progress |= self.pass(now);
+        self.finish_stops();
+        self.check_wedged();
+        progress
+    }
+
+    /// Whether the worker was told to end.
+    pub(super) fn exiting(&self) -> bool {
+        self.exit
+    }
+
+    /// The work served since the last call (poll.rs).
+    pub(super) fn take_work(&mut self) -> u64 {
+        std::mem::take(&mut self.work)
+    }
+
+    /// What the thread must know before it sleeps: when the worker needs it back even
+    /// without an event (a stop's deadline, a fence check, the kernel refusing
+    /// submissions), and whether its engine has completions no fd will announce.
+    pub(super) fn sleep_hint(&self) -> SleepHint {
+        let retry = (self.engine.backlog() > 0).then(|| Instant::now() + Duration::from_millis(1));
+        let deadline = match (self.next_deadline(), retry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         };
-        for ev in &events[..n] {
-            match ev.data() {
-                EV_MAILBOX | EV_ENGINE => {}
-                index => self.kicked(index as usize, ev.event_set()),
-            }
+        SleepHint {
+            deadline,
+            unannounced: self.in_flight > 0 && self.engine.notify_fd().is_none(),
+        }
+    }
+
+    /// An engine without a completion fd: let it finish what it holds (inline and sync
+    /// engines finish at once).
+    pub(super) fn wait_engine(&mut self) {
+        if let Err(e) = self.engine.wait() {
+            error!(
+                "worker {}: engine {} wait failed: {e}",
+                self.id,
+                self.engine.name()
+            );
+        }
+    }
+
+    /// An epoll event of this worker: `code` is the low half of its data.
+    pub(super) fn event(&mut self, code: u32, set: EventSet) {
+        match code {
+            EV_MAILBOX | EV_ENGINE => {}
+            index => self.kicked(index as usize, set),
         }
     }
 
@@ -484,7 +450,7 @@ impl Worker {
                 q.index
             );
         }
-        if let Err(e) = watch_kick(&self.epoll, &mut q) {
+        if let Err(e) = watch_kick(&self.epoll, self.key, &mut q) {
             error!("queue {}: cannot watch its kick fd: {e}", q.index);
         }
         self.queues.push(q);
@@ -514,7 +480,7 @@ impl Worker {
             EpollEvent::default(),
         );
         q.kick = fd;
-        if let Err(e) = watch_kick(&self.epoll, q) {
+        if let Err(e) = watch_kick(&self.epoll, self.key, q) {
             error!("queue {index}: cannot watch its new kick fd: {e}");
         }
     }
@@ -591,8 +557,8 @@ impl Worker {
     }
 
     /// One pass over every queue. True if anything was popped or completed.
-    fn pass(&mut self) -> bool {
-        self.now = Instant::now();
+    fn pass(&mut self, now: Instant) -> bool {
+        self.now = now;
         self.lift_fences();
         let mut progress = false;
         if !self.queues.is_empty() {
@@ -970,7 +936,7 @@ impl Drop for Worker {
 /// Watch a queue's kick fd in `epoll`: an eventfd edge-triggered (never read: every kick
 /// queues one event, and a wake-up costs one syscall less), anything else level-triggered
 /// (read on every event). Hang-ups and errors are reported either way.
-fn watch_kick(epoll: &Epoll, q: &mut Queue) -> io::Result<()> {
+fn watch_kick(epoll: &Epoll, key: u64, q: &mut Queue) -> io::Result<()> {
     q.kick_edge = q.kick.kind() == FdKind::Eventfd;
     let mut set = EventSet::IN;
     if q.kick_edge {
@@ -979,25 +945,11 @@ fn watch_kick(epoll: &Epoll, q: &mut Queue) -> io::Result<()> {
     epoll.ctl(
         ControlOperation::Add,
         q.kick.file().as_raw_fd(),
-        EpollEvent::new(set, q.index as u64),
+        EpollEvent::new(set, key | q.index as u64),
     )
 }
 
-/// This thread's CPU time (user and system), to the nanosecond.
-fn thread_cpu() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec into a live local.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return Duration::ZERO;
-    }
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
-fn nanos(d: Duration) -> u64 {
+pub(super) fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
@@ -1019,13 +971,7 @@ pub(crate) fn indirect_acked(blk: &Blk) -> bool {
 impl Worker {
     /// Handle pending commands and run one pass (tests drive workers by hand).
     pub(crate) fn step(&mut self) -> bool {
-        if self.mailbox.pending.load(Ordering::Acquire) {
-            self.handle_commands();
-        }
-        let p = self.pass();
-        self.finish_stops();
-        self.check_wedged();
-        p
+        self.serve_round(Instant::now())
     }
 
     /// Run passes until one makes no progress and the engine is idle.
@@ -1045,12 +991,9 @@ impl Worker {
     /// A worker driven by the test thread (no thread, no epoll waits).
     pub(crate) fn for_test(setup: WorkerSetup) -> (Worker, Arc<Mailbox>) {
         let mailbox = Arc::new(Mailbox::new().unwrap());
-        (Worker::new(setup, mailbox.clone()).unwrap(), mailbox)
-    }
-
-    /// Run a test-driven worker on a thread of its own, as `WorkerHandle::spawn` does.
-    pub(crate) fn into_thread(self, mailbox: Arc<Mailbox>, join_timeout: Duration) -> WorkerHandle {
-        WorkerHandle::start(self.id, mailbox, join_timeout, move || self.run()).unwrap()
+        let mut w = Worker::new(setup, mailbox.clone()).unwrap();
+        w.adopt(Arc::new(Epoll::new().unwrap()), 0).unwrap();
+        (w, mailbox)
     }
 
     /// Queue a command for a test-driven worker.

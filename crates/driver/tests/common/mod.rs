@@ -7,18 +7,28 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use device::{DeviceConfig, Listen};
+use device::{DaemonConfig, DeviceConfig, Listen, ServedDisk};
 use storage::DiskSpec;
 
 /// A device serving `config` on a fresh socket; it runs until the test process exits.
 pub fn start(config: DeviceConfig) -> (tempfile::TempDir, PathBuf) {
+    start_with(DaemonConfig::default(), config)
+}
+
+/// [`start`], the daemon configured as `daemon` says.
+pub fn start_with(daemon: DaemonConfig, config: DeviceConfig) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("vblk.sock");
-    let listen = Listen::Path(sock.clone());
+    let disk = ServedDisk {
+        id: "test".into(),
+        listen: Listen::Path(sock.clone()),
+        config,
+        spec: String::new(),
+    };
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
-        let controls = device::Controls::new().unwrap();
-        let r = device::serve(&config, &listen, &controls, &mut || tx.send(()).unwrap());
+        let controls = std::sync::Arc::new(device::Controls::new().unwrap());
+        let r = device::serve(&daemon, vec![disk], &controls, &mut || tx.send(()).unwrap());
         if let Err(e) = r {
             panic!("device failed: {e}");
         }
@@ -33,21 +43,24 @@ pub fn mem_device(queues: u16) -> DeviceConfig {
     DeviceConfig {
         disk: DiskSpec::Mem(64 << 20),
         num_queues: queues,
-        threads: 1,
         ..Default::default()
     }
 }
 
-/// `config` with a control socket in `dir`; returns its path.
-pub fn with_stats(config: &mut DeviceConfig, dir: &Path) -> PathBuf {
+/// A daemon with a control socket in `dir`, and its path.
+pub fn with_stats(dir: &Path) -> (DaemonConfig, PathBuf) {
     let p = dir.join("control.sock");
-    config.control_socket = Some(p.clone());
-    p
+    let daemon = DaemonConfig {
+        control_socket: Some(p.clone()),
+        ..Default::default()
+    };
+    (daemon, p)
 }
 
 /// Requests of `kind` ("read", "write", "flush", ...) the device completed, all queues.
 pub fn device_count(control: &Path, kind: &str) -> u64 {
     let mut s = std::os::unix::net::UnixStream::connect(control).expect("control socket");
+    std::io::Write::write_all(&mut s, b"{\"op\":\"stats\"}\n").unwrap();
     let mut text = String::new();
     s.read_to_string(&mut text).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();

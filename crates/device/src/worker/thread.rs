@@ -1,0 +1,317 @@
+//! A worker thread of the daemon's pool: it runs the workers of every disk (every
+//! session) placed on it, polls all of their queues in one loop and sleeps only when all
+//! are idle, in one epoll that holds every kick, engine and mailbox descriptor of its
+//! workers. The wake-up a host pays is shared by its disks.
+//!
+//! One round serves each worker once (commands, then a pass over its queues). Rounds
+//! repeat while any worker makes progress, then for the polling window (poll.rs: one
+//! window per thread, fed by the work of all its workers); then every worker re-arms its
+//! kicks and the thread sleeps until a kick, a completion, a command or the earliest
+//! deadline of any worker.
+//!
+//! A worker that panics is dropped from the thread and reported through its mailbox (its
+//! session ends); the thread goes on serving the others. Workers that end are dropped on
+//! the pool's reaper thread: dropping one waits for the requests it still has at the disk,
+//! which must not stall the other disks.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use log::{error, warn};
+use vmm_sys_util::epoll::{Epoll, EpollEvent};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{nanos, Worker};
+use crate::poll::Poll;
+use crate::stats::{bump, WorkerStats};
+
+/// Empty polling rounds between two reads of the clock.
+const IDLE_ROUNDS_PER_CLOCK: u32 = 16;
+/// The key of the thread's own inbox in its epoll (workers' keys are below it).
+pub(super) const INBOX_KEY: u32 = u32::MAX;
+
+/// Workers handed to a thread, and the pool telling it to end.
+pub(super) struct Inbox {
+    new: Mutex<Vec<Worker>>,
+    pending: AtomicBool,
+    stop: AtomicBool,
+    pub(super) efd: EventFd,
+}
+
+impl Inbox {
+    pub(super) fn new() -> std::io::Result<Inbox> {
+        Ok(Inbox {
+            new: Mutex::new(Vec::new()),
+            pending: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            efd: EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)?,
+        })
+    }
+
+    /// Hand `worker` to the thread.
+    pub(super) fn push(&self, worker: Worker) {
+        self.new
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(worker);
+        self.pending.store(true, Ordering::Release);
+        let _ = self.efd.write(1);
+    }
+
+    /// End the thread (once it holds no worker).
+    pub(super) fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.efd.write(1);
+    }
+
+    fn take(&self) -> Vec<Worker> {
+        self.pending.store(false, Ordering::Release);
+        let _ = self.efd.read();
+        std::mem::take(&mut *self.new.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// One thread of the pool.
+pub(super) struct WorkerThread {
+    pub(super) index: usize,
+    pub(super) epoll: Arc<Epoll>,
+    pub(super) inbox: Arc<Inbox>,
+    pub(super) workers: Vec<Worker>,
+    pub(super) next_key: u32,
+    pub(super) poll: Poll,
+    pub(super) pin: Option<usize>,
+    pub(super) stats: Arc<WorkerStats>,
+    /// Workers that ended go here to be dropped (pool.rs).
+    pub(super) reaper: Sender<Worker>,
+}
+
+impl WorkerThread {
+    pub(super) fn run(mut self) {
+        if let Some(cpu) = self.pin.take() {
+            if let Err(e) = crate::config::pin_current_thread(cpu) {
+                warn!("worker thread {}: cannot pin to CPU {cpu}: {e}", self.index);
+            }
+        }
+        let mut idle_since: Option<Instant> = None;
+        let mut idle_rounds = 0u32;
+        let mut polling = false;
+        let mut work = 0u64;
+        let mut events = vec![EpollEvent::default(); 64];
+        let mut now = Instant::now();
+        loop {
+            if self.inbox.pending.load(Ordering::Acquire) {
+                self.welcome();
+            }
+            if self.inbox.stop.load(Ordering::SeqCst) && self.workers.is_empty() {
+                return;
+            }
+            let mut progress = false;
+            for w in &mut self.workers {
+                progress |= w.service(now).unwrap_or(true);
+                work += w.take_work();
+            }
+            self.let_go();
+            if progress {
+                if polling {
+                    let spun = idle_since.map_or(Duration::ZERO, |t| now - t);
+                    self.poll.hit(spun);
+                    bump(&self.stats.poll_hits, 1);
+                    polling = false;
+                }
+                idle_since = None;
+                idle_rounds = 0;
+                now = Instant::now();
+                continue;
+            }
+            if idle_since.is_none() {
+                // A busy period ends: credit its work to how the idle period before it
+                // ended (poll.rs compares polling's cost per unit of work with sleeping's).
+                self.poll.busy(std::mem::take(&mut work));
+                self.poll.tick(now, thread_cpu);
+            }
+            // While polling, read the clock once per IDLE_ROUNDS_PER_CLOCK empty rounds:
+            // it costs more than a round, and the window need not be exact.
+            idle_rounds += 1;
+            if idle_since.is_some() && !idle_rounds.is_multiple_of(IDLE_ROUNDS_PER_CLOCK) {
+                std::hint::spin_loop();
+                continue;
+            }
+            now = Instant::now();
+            let since = *idle_since.get_or_insert_with(|| {
+                self.poll.idle();
+                now
+            });
+            if now.duration_since(since) < self.poll.window() {
+                polling = true;
+                std::hint::spin_loop();
+                continue;
+            }
+            if polling {
+                self.poll.miss();
+                bump(&self.stats.poll_misses, 1);
+                polling = false;
+            }
+            self.stats
+                .poll_window_ns
+                .store(nanos(self.poll.window()), Ordering::Relaxed);
+            self.stats
+                .poll_forced
+                .store(u64::from(self.poll.forced()), Ordering::Relaxed);
+            let mut more = false;
+            for w in &mut self.workers {
+                more |= w.rearm();
+            }
+            if more {
+                // Work came in while re-arming: the window's spin found it after all.
+                if let Some(t) = idle_since {
+                    self.poll.hit(Instant::now() - t);
+                }
+                idle_since = None;
+                now = Instant::now();
+                continue;
+            }
+            self.sleep(&mut events);
+            idle_since = None;
+            now = Instant::now();
+        }
+    }
+
+    /// Put the workers handed over on this thread.
+    fn welcome(&mut self) {
+        for mut w in self.inbox.take() {
+            let key = self.next_key;
+            self.next_key = self.next_key.wrapping_add(1) % INBOX_KEY;
+            if let Err(e) = w.adopt(self.epoll.clone(), key) {
+                error!(
+                    "worker thread {}: cannot take worker {}: {e}",
+                    self.index, w.id
+                );
+                w.mailbox.fail();
+                w.detach();
+                let _ = self.reaper.send(w);
+                continue;
+            }
+            self.workers.push(w);
+        }
+    }
+
+    /// Hand the workers that ended (or panicked) to the reaper.
+    fn let_go(&mut self) {
+        let mut i = 0;
+        while i < self.workers.len() {
+            if self.workers[i].exiting() || self.workers[i].failed {
+                let mut w = self.workers.swap_remove(i);
+                w.detach();
+                let _ = self.reaper.send(w);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Wait in epoll for a kick, a completion or a command of any worker.
+    fn sleep(&mut self, events: &mut [EpollEvent]) {
+        let mut deadline: Option<Instant> = None;
+        let mut unannounced = false;
+        for w in &self.workers {
+            let hint = w.sleep_hint();
+            unannounced |= hint.unannounced;
+            deadline = match (deadline, hint.deadline) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        if unannounced {
+            // An engine without a completion fd must be waited for here (inline and sync
+            // engines finish at once).
+            for w in &mut self.workers {
+                if w.sleep_hint().unannounced {
+                    w.wait_engine();
+                }
+            }
+            return;
+        }
+        let timeout = match deadline {
+            None => -1,
+            Some(d) => {
+                d.saturating_duration_since(Instant::now())
+                    .as_millis()
+                    .min(1000) as i32
+                    + 1
+            }
+        };
+        bump(&self.stats.sleeps, 1);
+        // One sleep in poll::SAMPLE_EVERY is measured: the CPU this thread spends on it
+        // (entering epoll, being switched out, woken and switched in) bounds the polling
+        // window (poll.rs). A wait that found events at once did not sleep: not counted.
+        let sample = self
+            .poll
+            .sample_due()
+            .then(|| (thread_cpu(), Instant::now()));
+        let waited = self.epoll.wait(timeout, events);
+        if let Some((cpu0, wall0)) = sample {
+            let (cpu, wall) = (thread_cpu().saturating_sub(cpu0), wall0.elapsed());
+            if wall > cpu + Duration::from_micros(1) {
+                self.poll.slept(cpu);
+                if let Some(c) = self.poll.sleep_cost() {
+                    self.stats.sleep_cost_ns.store(nanos(c), Ordering::Relaxed);
+                }
+            }
+        }
+        let n = match waited {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return,
+            Err(e) => {
+                error!("worker thread {}: epoll_wait failed: {e}", self.index);
+                std::thread::sleep(Duration::from_millis(1));
+                return;
+            }
+        };
+        for ev in &events[..n] {
+            let (key, code) = ((ev.data() >> 32) as u32, ev.data() as u32);
+            if key == INBOX_KEY {
+                continue;
+            }
+            // A key no worker holds: an event that was queued before its worker left.
+            if let Some(w) = self.workers.iter_mut().find(|w| w.key() == key) {
+                w.event(code, ev.event_set());
+            }
+        }
+    }
+}
+
+impl Worker {
+    /// [`Worker::serve_round`], with a panic caught: the worker is marked failed (its
+    /// mailbox refuses commands, its session learns it is lost) and `None` is returned.
+    fn service(&mut self, now: Instant) -> Option<bool> {
+        match catch_unwind(AssertUnwindSafe(|| self.serve_round(now))) {
+            Ok(p) => Some(p),
+            Err(_) => {
+                error!(
+                    "worker {}: it panicked; its session ends, the thread serves its other workers on",
+                    self.id
+                );
+                self.failed = true;
+                self.mailbox.fail();
+                None
+            }
+        }
+    }
+}
+
+/// This thread's CPU time (user and system), to the nanosecond.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into a live local.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}

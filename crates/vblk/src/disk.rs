@@ -1,0 +1,329 @@
+//! `vblk disk`: the disks of a running `vblk serve`, through its control socket: list them,
+//! add one, remove one, or make them what a `--config` file says (`systemctl reload`).
+//!
+//! Adding opens the image and binds the disk's socket here, in the client, and hands both
+//! to the daemon with the request: a confined daemon opens nothing itself
+//! (docs/security.md).
+
+use std::error::Error;
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use device::socket_file::{SocketAccess, SocketFile};
+use serde_json::{json, Value};
+use storage::DiskSpec;
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+use crate::disk_args::{disk_from_items, load_config, spec_of, split_items};
+
+/// How long a request may take: removing a disk waits for its requests in flight (up to
+/// its drain timeout, 60 s by default) and its flush.
+const SLOW_REQUEST: Duration = Duration::from_secs(600);
+
+/// List, add and remove the disks of a running `vblk serve` (its --control-socket).
+#[derive(Debug, Subcommand)]
+pub enum DiskCommand {
+    /// The disks the daemon serves: name, socket, disk, size, attached or not.
+    List(ListArgs),
+    /// Serve one more disk.
+    ///
+    /// SPEC is what `vblk serve --disk` takes (socket=PATH and file=SPEC, then any disk
+    /// flag as KEY=VALUE). The socket is created and the image opened here, with this
+    /// command's privileges, and handed to the daemon.
+    ///
+    ///   vblk disk add /run/vblk/control.sock socket=/run/vblk/vm3.sock,file=/var/lib/vblk/vm3.img,num-queues=2
+    #[command(verbatim_doc_comment)]
+    Add(AddArgs),
+    /// Stop serving a disk.
+    ///
+    /// Refused while a frontend is attached, unless --force (its requests in flight
+    /// finish and the disk is flushed first; the guest then loses the disk as if it were
+    /// unplugged without warning). The socket is removed.
+    Remove(RemoveArgs),
+    /// Make the daemon serve the disks a --config file names.
+    ///
+    /// Adds those it lacks, removes those the file no longer names (not while attached),
+    /// reports those whose settings changed. For `systemctl reload`
+    /// (contrib/systemd/vblk-host.service).
+    Sync(SyncArgs),
+}
+
+/// `vblk disk list`.
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    /// The daemon's control socket.
+    pub control: PathBuf,
+    /// Print the daemon's JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `vblk disk add`.
+#[derive(Debug, Args)]
+pub struct AddArgs {
+    /// The daemon's control socket.
+    pub control: PathBuf,
+    /// The disk, as `vblk serve --disk` takes it.
+    pub spec: String,
+    /// The group that may connect to the disk's socket (mode 0660) [default: 0600, this
+    /// user only].
+    #[arg(long, value_name = "GROUP")]
+    pub socket_group: Option<String>,
+}
+
+/// `vblk disk remove`.
+#[derive(Debug, Args)]
+pub struct RemoveArgs {
+    /// The daemon's control socket.
+    pub control: PathBuf,
+    /// The disk's name (`vblk disk list`).
+    pub id: String,
+    /// Remove it even while a frontend is attached.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `vblk disk sync`.
+#[derive(Debug, Args)]
+pub struct SyncArgs {
+    /// The configuration file (`vblk serve --config`).
+    #[arg(long, value_name = "FILE")]
+    pub config: PathBuf,
+    /// The daemon's control socket [default: the file's control-socket].
+    pub control: Option<PathBuf>,
+    /// The group that may connect to the sockets of disks added [default: the file's
+    /// socket-group].
+    #[arg(long, value_name = "GROUP")]
+    pub socket_group: Option<String>,
+}
+
+/// Send `body` (and `fds`) to the daemon at `control`, return its reply; an `error` reply
+/// is an error.
+pub fn request(
+    control: &Path,
+    body: &Value,
+    fds: &[RawFd],
+    timeout: Duration,
+) -> Result<Value, Box<dyn Error>> {
+    let mut s = UnixStream::connect(control).map_err(|e| {
+        format!(
+            "cannot connect to {}: {e} (is `vblk serve --control-socket {}` running?)",
+            control.display(),
+            control.display()
+        )
+    })?;
+    s.set_read_timeout(Some(timeout))?;
+    let mut line = body.to_string();
+    line.push('\n');
+    s.send_with_fds(&[line.as_bytes()], fds)
+        .map_err(|e| format!("cannot send to {}: {e}", control.display()))?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf)
+        .map_err(|e| format!("no answer from {}: {e}", control.display()))?;
+    let v: Value = serde_json::from_str(&buf).map_err(|e| {
+        format!(
+            "{}: not a vblk control socket, or a daemon too old for `vblk disk` ({e})",
+            control.display()
+        )
+    })?;
+    if let Some(e) = v["error"].as_str() {
+        return Err(e.into());
+    }
+    Ok(v)
+}
+
+/// Run `vblk disk ...`.
+pub fn run(cmd: DiskCommand) -> Result<(), Box<dyn Error>> {
+    match cmd {
+        DiskCommand::List(a) => list(&a),
+        DiskCommand::Add(a) => {
+            let id = add(&a.control, &a.spec, a.socket_group.as_deref())?;
+            println!("disk {id} added");
+            Ok(())
+        }
+        DiskCommand::Remove(a) => {
+            remove(&a.control, &a.id, a.force)?;
+            println!("disk {} removed", a.id);
+            Ok(())
+        }
+        DiskCommand::Sync(a) => sync(&a),
+    }
+}
+
+fn list(a: &ListArgs) -> Result<(), Box<dyn Error>> {
+    let v = request(
+        &a.control,
+        &json!({"op": "list"}),
+        &[],
+        Duration::from_secs(5),
+    )?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let empty = Vec::new();
+    let disks = v["disks"].as_array().unwrap_or(&empty);
+    println!(
+        "{:<16} {:<9} {:>10}  {:<32} disk",
+        "id", "attached", "size", "socket"
+    );
+    for d in disks {
+        let gib = d["capacity_bytes"].as_u64().unwrap_or(0) as f64 / (1u64 << 30) as f64;
+        println!(
+            "{:<16} {:<9} {:>8.1}Gi  {:<32} {}{}",
+            d["id"].as_str().unwrap_or("?"),
+            if d["attached"].as_bool() == Some(true) {
+                "yes"
+            } else {
+                "no"
+            },
+            gib,
+            d["socket"].as_str().unwrap_or("?"),
+            d["disk"].as_str().unwrap_or("?"),
+            if d["read_only"].as_bool() == Some(true) {
+                " (read-only)"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(())
+}
+
+/// Add the disk `spec` to the daemon at `control`; its name.
+pub fn add(control: &Path, spec: &str, group: Option<&str>) -> Result<String, Box<dyn Error>> {
+    let what = format!("disk {spec}");
+    let args = disk_from_items(&split_items(spec), &[], &what)?;
+    if args.fd.is_some() {
+        return Err(
+            format!("{what}: fd= cannot be handed to another process; give socket=PATH").into(),
+        );
+    }
+    let socket = args
+        .socket_path
+        .clone()
+        .ok_or_else(|| format!("{what}: socket=PATH is required"))?;
+    let read_only = args.read_only;
+    let image: Option<File> = match &args.blk_file {
+        Some(DiskSpec::File(path)) => Some(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(!read_only)
+                .open(path)
+                .map_err(|e| format!("{what}: cannot open {}: {e}", path.display()))?,
+        ),
+        Some(_) => None,
+        None => return Err(format!("{what}: file=SPEC is required").into()),
+    };
+    // Checked here as the daemon will check it, before anything is created.
+    args.clone()
+        .into_served(None, "disk".into())
+        .map_err(|e| format!("{what}: {e}"))?;
+    let access = SocketAccess {
+        group: group.map(str::to_string),
+    };
+    let (listener, file) = SocketFile::bind(&socket, &access)?;
+    let mut fds = vec![listener.as_raw_fd()];
+    fds.extend(image.as_ref().map(|f| f.as_raw_fd()));
+    let body = json!({"op": "add", "disk": spec, "socket": socket});
+    // On an error the socket file is dropped here, and removed.
+    let reply = request(control, &body, &fds, SLOW_REQUEST)?;
+    // The daemon serves the socket now, and removes it with the disk.
+    file.release();
+    Ok(reply["id"].as_str().unwrap_or("?").to_string())
+}
+
+/// Remove disk `id` from the daemon at `control`.
+pub fn remove(control: &Path, id: &str, force: bool) -> Result<(), Box<dyn Error>> {
+    request(
+        control,
+        &json!({"op": "remove", "id": id, "force": force}),
+        &[],
+        SLOW_REQUEST,
+    )?;
+    Ok(())
+}
+
+fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
+    let file = load_config(&a.config)?;
+    let daemon_key = |k: &str| {
+        file.daemon
+            .iter()
+            .find(|(key, _)| key == k)
+            .and_then(|(_, v)| v.clone())
+    };
+    let control = a
+        .control
+        .clone()
+        .or_else(|| daemon_key("control-socket").map(PathBuf::from))
+        .ok_or_else(|| {
+            format!(
+                "{}: no control-socket, and none given: which daemon?",
+                a.config.display()
+            )
+        })?;
+    let group = a
+        .socket_group
+        .clone()
+        .or_else(|| daemon_key("socket-group"));
+    let now = request(
+        &control,
+        &json!({"op": "list"}),
+        &[],
+        Duration::from_secs(5),
+    )?;
+    let empty = Vec::new();
+    let served: Vec<(String, String)> = now["disks"]
+        .as_array()
+        .unwrap_or(&empty)
+        .iter()
+        .map(|d| {
+            (
+                d["id"].as_str().unwrap_or("").to_string(),
+                d["spec"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let mut wanted = Vec::new();
+    for (i, items) in file.disks.iter().enumerate() {
+        let what = format!("{} [[disk]] {}", a.config.display(), i + 1);
+        let served = disk_from_items(items, &[], &what)?
+            .into_served(None, format!("disk{i}"))
+            .map_err(|e| format!("{what}: {e}"))?;
+        wanted.push((served.id, spec_of(items)));
+    }
+    let mut failed = Vec::new();
+    for (id, spec) in &served {
+        if !wanted.iter().any(|(w, _)| w == id) {
+            match remove(&control, id, false) {
+                Ok(()) => println!("disk {id} removed"),
+                Err(e) => failed.push(format!("disk {id} not removed: {e}")),
+            }
+        } else if let Some((_, want)) = wanted.iter().find(|(w, _)| w == id) {
+            if want != spec {
+                failed.push(format!(
+                    "disk {id}: its settings in {} changed ({spec:?} is served); remove and add it to apply them",
+                    a.config.display()
+                ));
+            }
+        }
+    }
+    for (id, spec) in &wanted {
+        if served.iter().any(|(s, _)| s == id) {
+            continue;
+        }
+        match add(&control, spec, group.as_deref()) {
+            Ok(id) => println!("disk {id} added"),
+            Err(e) => failed.push(format!("disk {id} not added: {e}")),
+        }
+    }
+    if failed.is_empty() {
+        return Ok(());
+    }
+    Err(failed.join("\n").into())
+}
