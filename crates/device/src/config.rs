@@ -69,6 +69,9 @@ pub struct DaemonConfig {
     pub nbd_ports: Vec<u16>,
     /// Parses the disks clients add through the control socket (None: none can be).
     pub disk_parser: Option<crate::control::DiskParser>,
+    /// Throttle groups and their limits, covering all their member disks together
+    /// (a disk joins one with `DeviceConfig::throttle_group`).
+    pub throttle_groups: Vec<(String, crate::throttle::Limits)>,
 }
 
 impl Default for DaemonConfig {
@@ -82,6 +85,7 @@ impl Default for DaemonConfig {
             sandbox: Default::default(),
             nbd_ports: Vec::new(),
             disk_parser: None,
+            throttle_groups: Vec::new(),
         }
     }
 }
@@ -191,6 +195,10 @@ pub struct DeviceConfig {
     pub rotational: Option<bool>,
     /// NBD disks: reconnection limit, timeout, connections per worker.
     pub nbd: storage::nbd::NbdOptions,
+    /// QoS limits (QEMU's names and semantics; none by default).
+    pub throttle: crate::throttle::Limits,
+    /// The throttle group it belongs to, whose limits cover all its members.
+    pub throttle_group: Option<String>,
 }
 
 impl Default for DeviceConfig {
@@ -214,6 +222,8 @@ impl Default for DeviceConfig {
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             socket_access: Default::default(),
             nbd: Default::default(),
+            throttle: Default::default(),
+            throttle_group: None,
         }
     }
 }

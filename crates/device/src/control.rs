@@ -12,6 +12,10 @@
 //!   the client at PATH) and, for an image file or block device, the open file: the
 //!   daemon is confined and opens nothing itself (docs/security.md).
 //! - `{"op":"remove","id":ID,"force":BOOL}`: stop serving a disk.
+//! - `{"op":"set","id":ID,"throttle":LIMITS,"group":NAME}`: a disk's QoS limits (QEMU's
+//!   `KEY=VALUE,...`, `none` for none; they replace the old ones) and its throttle group
+//!   (`""` for none); either may be left out.
+//! - `{"op":"group","name":NAME,"limits":LIMITS}`: a throttle group's limits.
 //!
 //! Replies are `{"ok":true,...}` or `{"error":MESSAGE}`. The client is trusted as the
 //! daemon's operator (the socket is the daemon user's own, or a group's: `--socket-group`),
@@ -32,6 +36,7 @@ use crate::config::{Listen, ServedDisk};
 use crate::disk::OpenedDisk;
 use crate::registry::Registry;
 use crate::socket_file::{SocketAccess, SocketError, SocketFile};
+use crate::throttle::Limits;
 
 /// How long the daemon waits for a client's request before it sends the statistics.
 pub const REQUEST_WAIT: Duration = Duration::from_millis(200);
@@ -229,8 +234,38 @@ fn handle(
             Ok(id) => json!({ "ok": true, "id": id }),
             Err(e) => error(e),
         },
+        "set" => {
+            let Some(id) = id else {
+                return error("set: which disk? (\"id\")");
+            };
+            let limits = match body["throttle"].as_str().map(Limits::parse) {
+                None => None,
+                Some(Ok(l)) => Some(l),
+                Some(Err(e)) => return error(format!("disk {id}: {e}")),
+            };
+            let group = body["group"]
+                .as_str()
+                .map(|g| (!g.is_empty() && g != "none").then(|| g.to_string()));
+            match registry.set_disk(id, limits, group) {
+                Ok(()) => json!({ "ok": true }),
+                Err(e) => error(e),
+            }
+        }
+        "group" => {
+            let Some(name) = body["name"].as_str() else {
+                return error("group: which group? (\"name\")");
+            };
+            let limits = match Limits::parse(body["limits"].as_str().unwrap_or("")) {
+                Ok(l) => l,
+                Err(e) => return error(format!("throttle group {name}: {e}")),
+            };
+            match registry.set_group(name, limits) {
+                Ok(()) => json!({ "ok": true }),
+                Err(e) => error(e),
+            }
+        }
         other => error(format!(
-            "unknown request {other:?} (this daemon knows stats, list, add, remove)"
+            "unknown request {other:?} (this daemon knows stats, list, add, remove, set, group)"
         )),
     }
 }

@@ -210,6 +210,11 @@ pub fn serve_files(
         })?,
     );
     let registry = Arc::new(Registry::new(pool, controls.clone()));
+    for (name, limits) in &daemon.throttle_groups {
+        registry
+            .set_group(name, limits.clone())
+            .map_err(|e| Error::VhostUser(format!("throttle group {name}: {e}")))?;
+    }
     for o in opened {
         registry.start(o)?;
     }

@@ -11,9 +11,9 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::{error, info, warn};
 use storage::{Backend, OpenOptions};
@@ -24,7 +24,8 @@ use crate::fence::Fence;
 use crate::session::{Session, SessionEnd};
 use crate::socket_file::SocketFile;
 use crate::stats::Stats;
-use crate::worker::Pool;
+use crate::throttle::{Limiter, LimiterStats, Limits};
+use crate::worker::{Command, Mailbox, Pool, ThrottleSetup};
 
 /// How long the rest of a message may take once its first byte came, and how long a reply
 /// may wait for the frontend to read.
@@ -52,6 +53,65 @@ pub(crate) struct DiskShared {
     pub attached: AtomicBool,
     /// How it was described (config.rs, `ServedDisk::spec`).
     pub spec: String,
+    /// Its QoS limits, and the workers to tell when they change.
+    pub throttle: Mutex<DiskThrottle>,
+}
+
+/// A disk's QoS: its own limits, its group's, and the mailboxes of the workers that serve
+/// it now (told of every change).
+#[derive(Default)]
+pub(crate) struct DiskThrottle {
+    /// Its own limits.
+    pub limits: Limits,
+    /// Their limiter (None: unlimited).
+    pub own: Option<Arc<Limiter>>,
+    /// Its group: name, the group's limiter (None: the group is unlimited), its member
+    /// index there, the group's counters.
+    pub group: Option<GroupMember>,
+    /// Its throttling counters.
+    pub stats: Arc<LimiterStats>,
+    /// The workers serving it now.
+    pub mailboxes: Vec<Arc<Mailbox>>,
+}
+
+/// A disk's place in a group.
+#[derive(Clone)]
+pub(crate) struct GroupMember {
+    pub name: String,
+    pub limiter: Option<Arc<Limiter>>,
+    pub member: usize,
+    pub stats: Arc<LimiterStats>,
+}
+
+impl DiskThrottle {
+    /// What a worker serving the disk is given (None: nothing limits it).
+    pub(crate) fn setup(&self) -> Option<ThrottleSetup> {
+        let mut limiters = Vec::new();
+        limiters.extend(self.own.clone().map(|l| (l, 0)));
+        if let Some(g) = &self.group {
+            limiters.extend(g.limiter.clone().map(|l| (l, g.member)));
+        }
+        (!limiters.is_empty()).then(|| ThrottleSetup {
+            limiters,
+            stats: self.stats.clone(),
+            group_stats: self.group.as_ref().map(|g| g.stats.clone()),
+        })
+    }
+
+    /// Tell the workers serving the disk what limits it has now.
+    pub(crate) fn tell(&self) {
+        for m in &self.mailboxes {
+            m.send(Command::Throttle(self.setup().map(Box::new)));
+        }
+    }
+
+    /// Its own limits are now `limits` (QEMU's block_set_io_throttle: they replace the
+    /// old ones, the buckets start empty).
+    pub(crate) fn set_limits(&mut self, limits: Limits) {
+        self.own = (!limits.is_unlimited())
+            .then(|| Arc::new(Limiter::new(&limits, Instant::now(), self.stats.clone())));
+        self.limits = limits;
+    }
 }
 
 impl DiskShared {
@@ -71,6 +131,11 @@ impl DiskShared {
             config.disk.to_string(),
         ));
         let fence = Arc::new(Fence::new(stats.fence.clone()));
+        let mut throttle = DiskThrottle {
+            stats: stats.throttle.clone(),
+            ..Default::default()
+        };
+        throttle.set_limits(config.throttle.clone());
         DiskShared {
             id,
             config,
@@ -82,6 +147,7 @@ impl DiskShared {
             listen,
             attached: AtomicBool::new(false),
             spec,
+            throttle: Mutex::new(throttle),
         }
     }
 }
@@ -271,9 +337,9 @@ impl RunningDisk {
 fn resize(shared: &DiskShared, session: Option<&mut Session>) {
     let id = &shared.id;
     match shared.disk.refresh_size(shared.config.allow_shrink) {
-        Ok((old, new)) if old == new => info!("disk {id}: resize: still {new} bytes"),
+        Ok((old, new)) if old == new => info!("disk {id}: resize: the disk is still {new} bytes"),
         Ok((old, new)) => {
-            info!("disk {id}: resize: now {new} bytes (was {old})");
+            info!("disk {id}: resize: the disk is now {new} bytes (was {old})");
             if let Some(s) = session {
                 s.capacity_changed(new >> proto::wire::SECTOR_SHIFT);
             }
@@ -428,6 +494,12 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
     }
     let counters = session.counters();
     drop(session);
+    shared
+        .throttle
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .mailboxes
+        .clear();
     for (q, done, bad, failed) in counters {
         info!("disk {id}: queue {q}: {done} requests completed, {bad} rejected, {failed} failed");
     }

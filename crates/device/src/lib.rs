@@ -64,6 +64,7 @@ pub mod socket_file;
 mod stats;
 #[cfg(test)]
 mod tests;
+pub mod throttle;
 mod vring_fd;
 mod watchdog;
 mod wire;

@@ -2,13 +2,16 @@
 //! control socket, removed, listed, resized, stopped. Touched only by the daemon's
 //! control paths (its main thread, the control socket's thread), never by I/O.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use log::{error, info};
 use serde_json::{json, Value};
 
 use crate::daemon::{Controls, Error};
-use crate::disk::{OpenedDisk, RunningDisk};
+use crate::disk::{DiskShared, GroupMember, OpenedDisk, RunningDisk};
+use crate::throttle::{Limiter, LimiterStats, Limits, MAX_MEMBERS};
 use crate::worker::Pool;
 
 /// The daemon's disks.
@@ -26,6 +29,31 @@ struct Inner {
     next_thread: usize,
     /// What ended a disk on its own (its listening socket failed).
     failure: Option<Error>,
+    /// Throttle groups by name.
+    groups: BTreeMap<String, Group>,
+}
+
+/// A throttle group: limits that cover all its member disks together.
+#[derive(Default)]
+struct Group {
+    limits: Limits,
+    /// None: unlimited.
+    limiter: Option<Arc<Limiter>>,
+    /// Its counters, kept across changes of its limits.
+    stats: Arc<LimiterStats>,
+    /// Member disks by member index (None: a free index).
+    members: Vec<Option<String>>,
+}
+
+impl Group {
+    fn member_count(&self) -> usize {
+        self.members.iter().filter(|m| m.is_some()).count()
+    }
+}
+
+/// The throttle state of a disk (locked).
+fn throttle_of(d: &DiskShared) -> MutexGuard<'_, crate::disk::DiskThrottle> {
+    d.throttle.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Why a disk was not removed.
@@ -51,6 +79,7 @@ impl Registry {
                 disks: Vec::new(),
                 next_thread: 0,
                 failure: None,
+                groups: BTreeMap::new(),
             }),
             started: std::time::Instant::now(),
         }
@@ -88,8 +117,100 @@ impl Registry {
             path: "disk thread".into(),
             source,
         })?;
+        if let Some(g) = running.shared.config.throttle_group.clone() {
+            if let Err(e) = join_group(&mut inner.groups, &running.shared, &g) {
+                drop(inner);
+                let mut running = running;
+                let _ = running.stop();
+                return Err(Error::VhostUser(e));
+            }
+        }
         inner.disks.push(running);
         Ok(())
+    }
+
+    /// Set group `name`'s limits (QEMU's semantics: they replace the old ones; the
+    /// buckets start empty); the group is made if it does not exist.
+    pub(crate) fn set_group(&self, name: &str, limits: Limits) -> Result<(), String> {
+        crate::config::check_id(name).map_err(|e| format!("throttle group: {e}"))?;
+        limits.validate()?;
+        let mut inner = self.lock();
+        let inner = &mut *inner;
+        let g = inner.groups.entry(name.to_string()).or_default();
+        g.limiter = (!limits.is_unlimited()).then(|| {
+            let l = Arc::new(Limiter::new(&limits, Instant::now(), g.stats.clone()));
+            l.set_members(g.members.len());
+            l
+        });
+        g.limits = limits;
+        for d in &inner.disks {
+            let mut t = throttle_of(&d.shared);
+            if let Some(m) = t.group.as_mut().filter(|m| m.name == name) {
+                m.limiter = g.limiter.clone();
+                t.tell();
+            }
+        }
+        info!("throttle group {name}: {}", g.limits);
+        Ok(())
+    }
+
+    /// Set disk `id`'s own limits (`limits`, replacing the old ones) and its group
+    /// (`group`: Some(None) leaves it, Some(Some(name)) moves it there).
+    pub(crate) fn set_disk(
+        &self,
+        id: &str,
+        limits: Option<Limits>,
+        group: Option<Option<String>>,
+    ) -> Result<(), String> {
+        if let Some(l) = &limits {
+            l.validate()?;
+        }
+        let mut inner = self.lock();
+        let inner = &mut *inner;
+        let d = inner
+            .disks
+            .iter()
+            .find(|d| d.shared.id == id)
+            .ok_or_else(|| format!("no disk is named {id:?}"))?;
+        if let Some(group) = group {
+            leave_group(&mut inner.groups, &d.shared);
+            if let Some(g) = group {
+                join_group(&mut inner.groups, &d.shared, &g)?;
+            }
+        }
+        let mut t = throttle_of(&d.shared);
+        if let Some(l) = limits {
+            t.set_limits(l);
+        }
+        t.tell();
+        info!(
+            "disk {id}: limits {}{}",
+            t.limits,
+            t.group
+                .as_ref()
+                .map(|g| format!(", throttle group {}", g.name))
+                .unwrap_or_default()
+        );
+        Ok(())
+    }
+
+    /// The throttle groups, for `vblk stats`.
+    fn groups_snapshot(&self) -> Value {
+        let inner = self.lock();
+        let groups: Vec<Value> = inner
+            .groups
+            .iter()
+            .map(|(name, g)| {
+                json!({
+                    "name": name,
+                    "limits": g.limits.to_json(),
+                    "members": g.members.iter().flatten().collect::<Vec<_>>(),
+                    "delayed": g.stats.delayed.load(std::sync::atomic::Ordering::Relaxed),
+                    "wait_ns": g.stats.wait_ns.load(std::sync::atomic::Ordering::Relaxed),
+                })
+            })
+            .collect();
+        Value::Array(groups)
     }
 
     /// How many disks are served.
@@ -144,7 +265,9 @@ impl Registry {
             {
                 return Err(RemoveError::Attached(id.into()));
             }
-            inner.disks.remove(i)
+            let d = inner.disks.remove(i);
+            leave_group(&mut inner.groups, &d.shared);
+            d
         };
         d.stop()
             .map_err(|e| RemoveError::Stop(id.into(), Box::new(e)))?;
@@ -168,6 +291,8 @@ impl Registry {
                     "read_only": s.config.read_only,
                     "num_queues": s.config.num_queues,
                     "spec": s.spec,
+                    "throttle": throttle_of(s).limits.to_string(),
+                    "throttle_group": throttle_of(s).group.as_ref().map(|g| g.name.clone()),
                     "attached": s.attached.load(std::sync::atomic::Ordering::SeqCst),
                 })
             })
@@ -194,6 +319,13 @@ impl Registry {
                 let mut doc = d.shared.stats.snapshot(d.shared.disk.size());
                 doc["id"] = json!(d.shared.id);
                 doc["socket"] = json!(d.shared.listen);
+                let t = throttle_of(&d.shared);
+                doc["throttle"] = json!({
+                    "limits": t.limits.to_json(),
+                    "group": t.group.as_ref().map(|g| g.name.clone()),
+                    "delayed": t.stats.delayed.load(std::sync::atomic::Ordering::Relaxed),
+                    "wait_ns": t.stats.wait_ns.load(std::sync::atomic::Ordering::Relaxed),
+                });
                 doc
             })
             .collect();
@@ -204,6 +336,8 @@ impl Registry {
         top["uptime_ns"] =
             json!(u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX));
         top["workers"] = crate::stats::workers_snapshot(self.pool.stats());
+        drop(inner);
+        top["throttle_groups"] = self.groups_snapshot();
         top["disks"] = Value::Array(
             docs.into_iter()
                 .map(|mut d| {
@@ -217,4 +351,56 @@ impl Registry {
         );
         Ok(top)
     }
+}
+
+/// Put `disk` in group `name` (made, unlimited, if it does not exist).
+fn join_group(
+    groups: &mut BTreeMap<String, Group>,
+    disk: &DiskShared,
+    name: &str,
+) -> Result<(), String> {
+    crate::config::check_id(name).map_err(|e| format!("throttle group: {e}"))?;
+    let g = groups.entry(name.to_string()).or_default();
+    let member = match g.members.iter().position(Option::is_none) {
+        Some(free) => free,
+        None if g.members.len() < MAX_MEMBERS => {
+            g.members.push(None);
+            g.members.len() - 1
+        }
+        None => {
+            return Err(format!(
+                "throttle group {name} has {MAX_MEMBERS} disks already"
+            ))
+        }
+    };
+    g.members[member] = Some(disk.id.clone());
+    if let Some(l) = &g.limiter {
+        l.set_members(g.members.len());
+    }
+    let mut t = throttle_of(disk);
+    t.group = Some(GroupMember {
+        name: name.to_string(),
+        limiter: g.limiter.clone(),
+        member,
+        stats: g.stats.clone(),
+    });
+    t.tell();
+    info!(
+        "disk {}: in throttle group {name} ({} disks)",
+        disk.id,
+        g.member_count()
+    );
+    Ok(())
+}
+
+/// Take `disk` out of its group, if it is in one.
+fn leave_group(groups: &mut BTreeMap<String, Group>, disk: &DiskShared) {
+    let mut t = throttle_of(disk);
+    let Some(m) = t.group.take() else { return };
+    if let Some(g) = groups.get_mut(&m.name) {
+        if let Some(slot) = g.members.get_mut(m.member) {
+            *slot = None;
+        }
+    }
+    t.tell();
 }

@@ -218,6 +218,8 @@ pub(crate) fn workers_snapshot(workers: &[Arc<WorkerStats>]) -> Value {
 #[derive(Debug)]
 pub(crate) struct Stats {
     pub queues: Vec<Arc<QueueStats>>,
+    /// Requests that waited for the disk's limits (its own or its group's).
+    pub throttle: Arc<crate::throttle::LimiterStats>,
     pub workers: Vec<Arc<WorkerStats>>,
     pub fence: Arc<FenceStats>,
     pub lifecycle: Arc<LifecycleStats>,
@@ -229,6 +231,7 @@ impl Stats {
     pub(crate) fn new(num_queues: usize, workers: Vec<Arc<WorkerStats>>, disk: String) -> Stats {
         Stats {
             queues: (0..num_queues).map(|_| Arc::default()).collect(),
+            throttle: Arc::default(),
             workers,
             fence: Arc::default(),
             lifecycle: Arc::default(),

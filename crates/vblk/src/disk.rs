@@ -45,6 +45,21 @@ pub enum DiskCommand {
     /// finish and the disk is flushed first; the guest then loses the disk as if it were
     /// unplugged without warning). The socket is removed.
     Remove(RemoveArgs),
+    /// Change a disk's QoS limits or its throttle group while it runs.
+    ///
+    /// KEY=VALUE,... with the keys of `--disk`: throttle.iops-total=N, throttle.bps-read=N,
+    /// ... (the new limits replace all the old ones, as QEMU's block_set_io_throttle does;
+    /// throttle=none removes them), throttle.group=NAME (group=none leaves the group).
+    /// Requests waiting are looked at again under the new limits at once.
+    ///
+    ///   vblk disk set /run/vblk/control.sock vm1 throttle.iops-total=2000,throttle.bps-total=100M
+    #[command(verbatim_doc_comment)]
+    Set(SetArgs),
+    /// Set a throttle group's limits while the daemon runs (the group is made if need be).
+    ///
+    ///   vblk disk group /run/vblk/control.sock tenants iops-total=20000
+    #[command(verbatim_doc_comment)]
+    Group(GroupArgs),
     /// Make the daemon serve the disks a --config file names.
     ///
     /// Adds those it lacks, removes those the file no longer names (not while attached),
@@ -86,6 +101,28 @@ pub struct RemoveArgs {
     /// Remove it even while a frontend is attached.
     #[arg(long)]
     pub force: bool,
+}
+
+/// `vblk disk set`.
+#[derive(Debug, Args)]
+pub struct SetArgs {
+    /// The daemon's control socket.
+    pub control: PathBuf,
+    /// The disk's name (`vblk disk list`).
+    pub id: String,
+    /// throttle.KEY=VALUE,... and/or throttle.group=NAME.
+    pub settings: String,
+}
+
+/// `vblk disk group`.
+#[derive(Debug, Args)]
+pub struct GroupArgs {
+    /// The daemon's control socket.
+    pub control: PathBuf,
+    /// The group's name.
+    pub name: String,
+    /// Its limits, KEY=VALUE,... (`vblk serve --throttle`'s keys; none: unlimited).
+    pub limits: String,
 }
 
 /// `vblk disk sync`.
@@ -149,6 +186,22 @@ pub fn run(cmd: DiskCommand) -> Result<(), Box<dyn Error>> {
         DiskCommand::Remove(a) => {
             remove(&a.control, &a.id, a.force)?;
             println!("disk {} removed", a.id);
+            Ok(())
+        }
+        DiskCommand::Set(a) => {
+            set(&a.control, &a.id, &split_items(&a.settings))?;
+            println!("disk {}: set", a.id);
+            Ok(())
+        }
+        DiskCommand::Group(a) => {
+            device::throttle::Limits::parse(&a.limits)?;
+            request(
+                &a.control,
+                &json!({"op": "group", "name": a.name, "limits": a.limits}),
+                &[],
+                Duration::from_secs(5),
+            )?;
+            println!("throttle group {}: {}", a.name, a.limits);
             Ok(())
         }
         DiskCommand::Sync(a) => sync(&a),
@@ -238,6 +291,50 @@ pub fn add(control: &Path, spec: &str, group: Option<&str>) -> Result<String, Bo
     Ok(reply["id"].as_str().unwrap_or("?").to_string())
 }
 
+/// Whether an item is a QoS setting (`throttle...`, `group`).
+fn is_throttle_item(key: &str) -> bool {
+    key == "throttle" || key == "group" || key.starts_with("throttle.")
+}
+
+/// Set disk `id`'s QoS from `items` (throttle.KEY=VALUE, throttle=none, throttle.group or
+/// group): the limits named replace all the old ones.
+pub fn set(
+    control: &Path,
+    id: &str,
+    items: &[(String, Option<String>)],
+) -> Result<(), Box<dyn Error>> {
+    let mut body = json!({"op": "set", "id": id});
+    let mut limits = Vec::new();
+    let mut cleared = false;
+    for (k, v) in items {
+        let v = v.as_deref().unwrap_or("");
+        match k.as_str() {
+            "throttle" if v == "none" => cleared = true,
+            "group" | "throttle.group" => body["group"] = json!(if v == "none" { "" } else { v }),
+            k => match k.strip_prefix("throttle.") {
+                Some(key) => limits.push(format!("{key}={v}")),
+                None => {
+                    return Err(format!(
+                        "{k}: only throttle.KEY=VALUE, throttle=none and throttle.group=NAME change while a disk runs (remove and add it for the rest)"
+                    )
+                    .into())
+                }
+            },
+        }
+    }
+    if cleared || !limits.is_empty() {
+        let l = if limits.is_empty() {
+            "none".to_string()
+        } else {
+            limits.join(",")
+        };
+        device::throttle::Limits::parse(&l).map_err(|e| format!("disk {id}: {e}"))?;
+        body["throttle"] = json!(l);
+    }
+    request(control, &body, &[], Duration::from_secs(5))?;
+    Ok(())
+}
+
 /// Remove disk `id` from the daemon at `control`.
 pub fn remove(control: &Path, id: &str, force: bool) -> Result<(), Box<dyn Error>> {
     request(
@@ -278,9 +375,8 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
         Duration::from_secs(5),
     )?;
     let empty = Vec::new();
-    let served: Vec<(String, String)> = now["disks"]
-        .as_array()
-        .unwrap_or(&empty)
+    let all = now["disks"].as_array().unwrap_or(&empty);
+    let served: Vec<(String, String)> = all
         .iter()
         .map(|d| {
             (
@@ -289,6 +385,15 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
             )
         })
         .collect();
+    // What QoS each disk has now: its limits (canonical) and its group.
+    let qos_now = |id: &str| {
+        all.iter().find(|d| d["id"] == id).map(|d| {
+            (
+                d["throttle"].as_str().unwrap_or("none").to_string(),
+                d["throttle_group"].as_str().map(str::to_string),
+            )
+        })
+    };
     let mut wanted = Vec::new();
     for (i, items) in file.disks.iter().enumerate() {
         let what = format!("{} [[disk]] {}", a.config.display(), i + 1);
@@ -305,11 +410,57 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
                 Err(e) => failed.push(format!("disk {id} not removed: {e}")),
             }
         } else if let Some((_, want)) = wanted.iter().find(|(w, _)| w == id) {
-            if want != spec {
+            // QoS changes apply to a running disk; anything else needs it re-added.
+            let (want_items, have_items) = (split_items(want), split_items(spec));
+            let rest = |v: &[(String, Option<String>)]| {
+                v.iter()
+                    .filter(|(k, _)| !is_throttle_item(k))
+                    .cloned()
+                    .collect::<Vec<_>>()
+            };
+            if want != spec && rest(&want_items) != rest(&have_items) {
                 failed.push(format!(
                     "disk {id}: its settings in {} changed ({spec:?} is served); remove and add it to apply them",
                     a.config.display()
                 ));
+                continue;
+            }
+            let mut qos: Vec<(String, Option<String>)> = want_items
+                .into_iter()
+                .filter(|(k, _)| is_throttle_item(k))
+                .collect();
+            let limits: Vec<String> = qos
+                .iter()
+                .filter_map(|(k, v)| {
+                    let key = k.strip_prefix("throttle.").filter(|k| *k != "group")?;
+                    Some(format!("{key}={}", v.as_deref().unwrap_or("")))
+                })
+                .collect();
+            let want_limits = device::throttle::Limits::parse(&limits.join(","))
+                .map(|l| l.to_string())
+                .unwrap_or_default();
+            let want_group = qos
+                .iter()
+                .find(|(k, _)| k == "group" || k == "throttle.group")
+                .and_then(|(_, v)| v.clone());
+            if qos_now(id) == Some((want_limits, want_group)) {
+                continue;
+            }
+            if !qos
+                .iter()
+                .any(|(k, _)| k.starts_with("throttle.") && k != "throttle.group")
+            {
+                qos.push(("throttle".into(), Some("none".into())));
+            }
+            if !qos
+                .iter()
+                .any(|(k, _)| k == "group" || k == "throttle.group")
+            {
+                qos.push(("group".into(), Some("none".into())));
+            }
+            match set(&control, id, &qos) {
+                Ok(()) => println!("disk {id}: QoS set"),
+                Err(e) => failed.push(format!("disk {id}: QoS not set: {e}")),
             }
         }
     }

@@ -187,6 +187,24 @@ pub struct DiskArgs {
     /// frontends and crash recovery; never for production.
     #[arg(long, value_name = "N:MS[:hold|:hold-writes]")]
     pub delay_every: Option<storage::Delay>,
+
+    /// QoS limits, with QEMU's names and semantics (libvirt's <iotune>): iops-total,
+    /// iops-read, iops-write (requests per second), bps-total, bps-read, bps-write (bytes
+    /// per second; K, M, G suffixes are powers of 1024), each with -max (a burst rate)
+    /// and -max-length (seconds the burst may last at that rate), and iops-size (a
+    /// request larger than this counts as size/iops-size requests). Without -max a
+    /// tenth of a second of the rate may go at once. Writes, discards and write-zeroes
+    /// count as writes; flushes are not limited. E.g. iops-total=2000,bps-total=100M.
+    /// In --disk: throttle.iops-total=2000,throttle.bps-total=100M. Changed while
+    /// running with `vblk disk set` [default: none].
+    #[arg(long, value_name = "KEY=VALUE,...", value_parser = parse_limits)]
+    pub throttle: Option<device::throttle::Limits>,
+
+    /// The throttle group this disk belongs to: the group's limits (--group) cover all
+    /// its disks together, and disks that all want more than their share get equal
+    /// shares. In --disk: throttle.group=NAME (or group=NAME).
+    #[arg(long, value_name = "NAME")]
+    pub throttle_group: Option<String>,
 }
 
 /// `--image-lock`.
@@ -213,6 +231,10 @@ pub(crate) fn parse_on_off(s: &str) -> Result<bool, String> {
     }
 }
 
+fn parse_limits(s: &str) -> Result<device::throttle::Limits, String> {
+    device::throttle::Limits::parse(s)
+}
+
 fn parse_cache(s: &str) -> Result<CacheMode, String> {
     s.parse().map_err(|e: storage::Error| e.to_string())
 }
@@ -232,6 +254,7 @@ pub const DAEMON_KEYS: &[&str] = &[
     "seccomp",
     "landlock",
     "nbd-ports",
+    "group",
     "config",
     "disk",
 ];
@@ -311,7 +334,24 @@ pub fn disk_from_items(
 ) -> Result<DiskArgs, String> {
     let cmd = DiskCli::command();
     let mut argv: Vec<std::ffi::OsString> = inherited.to_vec();
+    // throttle.KEY=VALUE items make one --throttle; throttle.group (or group) names the
+    // group.
+    let mut limits = Vec::new();
     for (key, value) in items {
+        if key == "group" || key == "throttle.group" {
+            let v = value
+                .as_deref()
+                .ok_or_else(|| format!("{what}: {key} needs a value ({key}=NAME)"))?;
+            argv.push(format!("--throttle-group={v}").into());
+            continue;
+        }
+        if let Some(k) = key.strip_prefix("throttle.") {
+            let v = value
+                .as_deref()
+                .ok_or_else(|| format!("{what}: {key} needs a value ({key}=N)"))?;
+            limits.push(format!("{k}={v}"));
+            continue;
+        }
         let long = long_name(key);
         let Some(arg) = cmd.get_arguments().find(|a| a.get_long() == Some(long)) else {
             if DAEMON_KEYS.contains(&long) {
@@ -337,6 +377,9 @@ pub fn disk_from_items(
             return Err(format!("{what}: {key} needs a value ({key}=...)"));
         };
         argv.push(format!("--{long}={value}").into());
+    }
+    if !limits.is_empty() {
+        argv.push(format!("--throttle={}", limits.join(",")).into());
     }
     let matches = DiskCli::command()
         .try_get_matches_from(argv)
@@ -439,6 +482,8 @@ impl DiskArgs {
                 format: a.format.map(|FormatArg::Raw| Format::Raw),
                 incoming: a.incoming,
             },
+            throttle: a.throttle.unwrap_or_default(),
+            throttle_group: a.throttle_group,
         };
         let served = ServedDisk {
             id,
@@ -484,6 +529,25 @@ pub fn parse_config(text: &str) -> Result<ConfigFile, String> {
                 let mut items = Vec::new();
                 flatten("", t, &mut items).map_err(|e| format!("[[disk]] {}: {e}", i + 1))?;
                 out.disks.push(items);
+            }
+            continue;
+        }
+        if key == "group" {
+            let toml::Value::Table(groups) = value else {
+                return Err("`group` must be tables: [group.NAME] with its limits".into());
+            };
+            for (name, limits) in groups {
+                let toml::Value::Table(t) = limits else {
+                    return Err(format!("[group.{name}]: not a table of limits"));
+                };
+                let mut items = Vec::new();
+                flatten("", t, &mut items).map_err(|e| format!("[group.{name}]: {e}"))?;
+                let list: Vec<String> = items
+                    .iter()
+                    .map(|(k, v)| format!("{k}={}", v.as_deref().unwrap_or("")))
+                    .collect();
+                out.daemon
+                    .push(("group".into(), Some(format!("{name}:{}", list.join(",")))));
             }
             continue;
         }

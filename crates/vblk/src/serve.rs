@@ -65,8 +65,9 @@ pub struct ServeArgs {
 
     /// Read the daemon's flags and its disks from this TOML file (top level: threads,
     /// poll-us, cpus, control-socket, socket-group, seccomp, landlock, nbd-ports; one
-    /// `[[disk]]` table per disk with the disk flags' names as keys). A flag given both
-    /// here and on the command line is refused.
+    /// `[group.NAME]` table of limits per throttle group; one `[[disk]]` table per disk
+    /// with the disk flags' names as keys, `throttle = { iops-total = 2000 }` for its
+    /// limits). A flag given both here and on the command line is refused.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 
@@ -131,6 +132,22 @@ pub struct DaemonArgs {
     /// daemon connect to, besides those of the NBD disks it starts with (e.g. 10809).
     #[arg(long, value_name = "PORT,...", value_delimiter = ',')]
     pub nbd_ports: Vec<u16>,
+
+    /// A throttle group and its limits, NAME:KEY=VALUE,... with --throttle's keys (e.g.
+    /// tenants:iops-total=20000,bps-total=200M): the limits cover all the disks that name
+    /// the group (--throttle-group, throttle.group= in --disk) together, shared fairly
+    /// among those that want more. Repeat for each group; change one while running with
+    /// `vblk disk group`.
+    #[arg(long = "group", value_name = "NAME:KEY=VALUE,...", value_parser = parse_group)]
+    pub groups: Vec<(String, device::throttle::Limits)>,
+}
+
+fn parse_group(s: &str) -> Result<(String, device::throttle::Limits), String> {
+    let (name, limits) = s.split_once(':').ok_or_else(|| {
+        format!("{s:?}: expected NAME:KEY=VALUE,... (e.g. tenants:iops-total=20000)")
+    })?;
+    device::config::check_id(name).map_err(|e| format!("--group {name}: {e}"))?;
+    Ok((name.to_string(), device::throttle::Limits::parse(limits)?))
 }
 
 /// `DaemonArgs` alone, to apply a `--config` file's top-level keys.
@@ -210,6 +227,7 @@ impl DaemonArgs {
             },
             nbd_ports: self.nbd_ports,
             disk_parser: None,
+            throttle_groups: self.groups,
         }
     }
 }
@@ -241,7 +259,11 @@ pub fn plan(
         let file = load_config(path)?;
         let mut argv = Vec::new();
         for (key, value) in &file.daemon {
-            if given(&key.replace('-', "_")) {
+            let id = match key.as_str() {
+                "group" => "groups".to_string(),
+                k => k.replace('-', "_"),
+            };
+            if given(&id) {
                 return Err(format!(
                     "{key} is given both in {} and on the command line: give it once",
                     path.display()
@@ -305,6 +327,7 @@ fn merge_daemon(
             "seccomp" => base.seccomp = file.seccomp,
             "landlock" => base.landlock = file.landlock,
             "nbd-ports" => base.nbd_ports = file.nbd_ports.clone(),
+            "group" => base.groups = file.groups.clone(),
             _ => {}
         }
     }

@@ -80,6 +80,7 @@ pub const ALLOWED: &[(&str, i64)] = &[
     ("epoll_create1", libc::SYS_epoll_create1),
     ("epoll_ctl", libc::SYS_epoll_ctl),
     ("epoll_pwait", libc::SYS_epoll_pwait),
+    ("epoll_pwait2", libc::SYS_epoll_pwait2),
     ("epoll_wait", libc::SYS_epoll_wait),
     ("eventfd2", libc::SYS_eventfd2),
     ("exit", libc::SYS_exit),

@@ -133,6 +133,10 @@ impl Session {
         let threads = pool.len().clamp(1, num_queues);
         let poison = Arc::new(AtomicBool::new(false));
         let conn = Arc::new(conn);
+        // Held while the workers start: a change of limits meanwhile waits, then reaches
+        // every one of them.
+        let mut throttle = shared.throttle.lock().unwrap_or_else(|p| p.into_inner());
+        let limits = throttle.setup();
         let mut workers = Vec::with_capacity(threads);
         for t in 0..threads {
             let owned = (0..num_queues).filter(|q| q % threads == t).count();
@@ -161,6 +165,7 @@ impl Session {
                     let _ = conn.shutdown(std::net::Shutdown::Both);
                 }),
                 lifecycle: stats.lifecycle.clone(),
+                throttle: limits.clone(),
             };
             // Ending waits for the engine's requests: as long as a drain may take.
             let join = config.drain_timeout + ANSWER_TIMEOUT;
@@ -176,6 +181,8 @@ impl Session {
                     .map_err(setup_err)?,
             );
         }
+        throttle.mailboxes = workers.iter().map(|w| w.mailbox()).collect();
+        drop(throttle);
         Ok(Session {
             blk,
             disk: disk.clone(),

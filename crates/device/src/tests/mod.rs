@@ -18,6 +18,7 @@ mod lifecycle;
 mod requests;
 mod rings;
 mod session;
+mod throttle;
 mod unanswerable;
 
 use std::fs::File;
@@ -193,6 +194,7 @@ impl Rig {
             poison: Arc::new(AtomicBool::new(false)),
             kill: Box::new(move || k.store(true, std::sync::atomic::Ordering::SeqCst)),
             lifecycle: Arc::default(),
+            throttle: None,
         });
         let (call, call_file) = eventfd_pair();
         let (err, err_file) = eventfd_pair();

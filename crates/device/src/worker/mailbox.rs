@@ -66,6 +66,9 @@ pub(crate) enum Command {
         queue: usize,
         used_gpa: Option<u64>,
     },
+    /// New QoS limits for the disk (None: unlimited). Requests waiting are looked at again
+    /// under them.
+    Throttle(Option<Box<super::ThrottleSetup>>),
     /// Tests: panic on the worker thread.
     #[cfg(test)]
     Panic,
@@ -99,7 +102,7 @@ impl Mailbox {
         self.take();
     }
 
-    pub(super) fn send(&self, cmd: Command) {
+    pub(crate) fn send(&self, cmd: Command) {
         if self.gone.load(Ordering::SeqCst) {
             return;
         }
@@ -148,6 +151,11 @@ pub(crate) struct WorkerHandle {
 impl WorkerHandle {
     pub(crate) fn send(&self, cmd: Command) {
         self.mailbox.send(cmd);
+    }
+
+    /// Its mailbox (to tell it of changes that do not wait for an answer).
+    pub(crate) fn mailbox(&self) -> Arc<Mailbox> {
+        self.mailbox.clone()
     }
 
     /// Send a command and wait up to `deadline` for its answer.

@@ -24,6 +24,7 @@ mod pool;
 mod queue;
 mod request;
 mod thread;
+mod throttled;
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -44,12 +45,15 @@ pub(crate) use queue::QueueStart;
 pub(crate) use queue::SLOT_IOVECS;
 use queue::{token, untoken, Queue, RateLimit, Stopping};
 use request::{complete, keep_or_shrink, to_op, write_id, LogView};
+pub(crate) use throttled::ThrottleSetup;
+use throttled::{Parked, Throttled};
 
 use crate::blk::Blk;
 use crate::dirty_log::DirtyLog;
 use crate::fence::{fetch_max, Fence};
 use crate::memory::GuestMemory;
 use crate::stats::{bump, LifecycleStats};
+use crate::throttle::{self, Dir};
 use crate::vring_fd::FdKind;
 
 /// How often a worker with a fenced queue looks whether the fence has lifted.
@@ -77,6 +81,8 @@ pub(crate) struct WorkerSetup {
     pub kill: Box<dyn Fn() + Send>,
     /// The daemon's ring-stop and misbehaviour counters.
     pub lifecycle: Arc<LifecycleStats>,
+    /// The disk's QoS limits, if it has any.
+    pub throttle: Option<ThrottleSetup>,
 }
 
 /// What a worker's thread must know before it sleeps ([`Worker::sleep_hint`]).
@@ -161,6 +167,10 @@ pub(crate) struct Worker {
     lifecycle: Arc<LifecycleStats>,
     /// Live migration's dirty log, while it runs.
     log: Option<Arc<DirtyLog>>,
+    /// QoS, while the disk has limits (or requests still wait for old ones).
+    throttle: Option<Box<Throttled>>,
+    /// When a waiting request may go, if one waits.
+    throttle_wake: Option<Instant>,
     /// The start of the current pass: one clock read per pass times every request.
     now: Instant,
     /// Work served since the thread last took it: chains taken from rings plus
@@ -209,6 +219,10 @@ impl Worker {
             drain_timeout: setup.drain_timeout,
             lifecycle: setup.lifecycle,
             log: None,
+            throttle: setup
+                .throttle
+                .map(|t| Box::new(Throttled::new(t, setup.depth))),
+            throttle_wake: None,
             now: Instant::now(),
             work: 0,
             _alive: None,
@@ -357,7 +371,7 @@ impl Worker {
             .iter()
             .any(|q| q.fenced.is_some())
             .then(|| Instant::now() + FENCE_CHECK);
-        stops.chain(fenced).min()
+        stops.chain(fenced).chain(self.throttle_wake).min()
     }
 
     fn handle_commands(&mut self) {
@@ -417,6 +431,13 @@ impl Worker {
                     }
                     let _ = reply.send(());
                 }
+                Command::Throttle(setup) => match (&mut self.throttle, setup) {
+                    (Some(t), setup) => t.replace(setup.map(|b| *b)),
+                    (None, Some(setup)) => {
+                        self.throttle = Some(Box::new(Throttled::new(*setup, self.depth)));
+                    }
+                    (None, None) => {}
+                },
                 Command::LogRing { queue, used_gpa } => {
                     if let Some(q) = self.queues.iter_mut().find(|q| q.index == queue) {
                         q.log_used = used_gpa;
@@ -561,11 +582,21 @@ impl Worker {
         self.now = now;
         self.lift_fences();
         let mut progress = false;
+        if self.throttle.is_some() {
+            progress |= self.admit_parked();
+        }
         if !self.queues.is_empty() {
             let limits = self.blk.limits();
             let durable = self.blk.write_through();
             for qi in 0..self.queues.len() {
                 progress |= self.drain(qi, &limits, durable);
+            }
+        }
+        if let Some(t) = &mut self.throttle {
+            t.update_waiting();
+            if t.idle() {
+                self.throttle = None;
+                self.throttle_wake = None;
             }
         }
         self.submit();
@@ -578,6 +609,67 @@ impl Worker {
             self.retired.clear();
         }
         progress
+    }
+
+    /// Let waiting requests go that the limiters now admit, in order per direction; those
+    /// of a queue that no longer serves (stopping, broken, disabled) go at once. True if
+    /// any went.
+    fn admit_parked(&mut self) -> bool {
+        let Some(t) = self.throttle.as_deref_mut() else {
+            return false;
+        };
+        let now = throttle::ticks(self.now);
+        let durable = self.blk.write_through();
+        let mut went = false;
+        let mut wake: Option<u64> = None;
+        for dir in [Dir::Read, Dir::Write] {
+            while let Some(&p) = t.parked[dir as usize].front() {
+                let found = self
+                    .queues
+                    .iter_mut()
+                    .chain(self.zombies.iter_mut())
+                    .find(|q| q.index == p.queue && q.slots[usize::from(p.head)].busy);
+                let Some(q) = found else {
+                    error!(
+                        "worker {}: a waiting request (queue {}, head {}) lost its queue",
+                        self.id, p.queue, p.head
+                    );
+                    t.parked[dir as usize].pop_front();
+                    continue;
+                };
+                let h = usize::from(p.head);
+                if q.serving() {
+                    let wait = t.admit(dir, q.slots[h].req.len, now);
+                    if wait != 0 {
+                        wake = Some(wake.map_or(wait, |w| w.min(wait)));
+                        break;
+                    }
+                }
+                let slot = &mut q.slots[h];
+                let op = to_op(&slot.req, durable);
+                // SAFETY: as in `drain`: the iovecs live in the busy slot, which is neither
+                // moved nor reused until its completion is reaped; they point into guest
+                // memory that `self.mem` or `self.retired` keeps mapped until then.
+                match unsafe { self.engine.push(token(q.index, q.gen, p.head), op) } {
+                    Ok(()) => {
+                        t.parked[dir as usize].pop_front();
+                        t.waited(self.now.saturating_duration_since(slot.taken));
+                        went = true;
+                        self.pushed = true;
+                        self.unsubmitted += 1;
+                        if self.unsubmitted >= self.submit_every {
+                            submit(&mut *self.engine, &mut self.io_log);
+                            self.unsubmitted = 0;
+                            self.pushed = self.engine.backlog() > 0;
+                        }
+                    }
+                    // The engine is full: it waits a little longer.
+                    Err(_) => break,
+                }
+            }
+        }
+        self.throttle_wake = wake.map(throttle::instant);
+        went
     }
 
     /// Pop and start the available chains of queue `qi`. True if any was popped.
@@ -649,6 +741,32 @@ impl Worker {
                         RequestKind::GetId => {
                             write_id(&slot.req, &self.blk.serial);
                             Some((status::OK, slot.req.used_len_ok()))
+                        }
+                        RequestKind::In
+                        | RequestKind::Out
+                        | RequestKind::Discard
+                        | RequestKind::WriteZeroes { .. }
+                            if self.throttle.as_deref().is_some_and(|t| {
+                                let dir = direction(&slot.req.kind);
+                                t.queued(dir)
+                                    || t.admit(dir, slot.req.len, throttle::ticks(self.now)) != 0
+                            }) =>
+                        {
+                            // It waits for the disk's limits (throttled.rs); it holds its
+                            // slot and counts as in flight meanwhile.
+                            if let Some(t) = self.throttle.as_deref_mut() {
+                                t.park(
+                                    direction(&slot.req.kind),
+                                    Parked {
+                                        queue: q.index,
+                                        head,
+                                    },
+                                );
+                            }
+                            slot.busy = true;
+                            q.in_flight += 1;
+                            self.in_flight += 1;
+                            None
                         }
                         _ => {
                             let op = to_op(&slot.req, durable);
@@ -959,6 +1077,15 @@ fn submit(engine: &mut dyn Engine, log: &mut RateLimit) {
         if log.allow() {
             warn!("engine {}: submit failed: {e}", engine.name());
         }
+    }
+}
+
+/// Which limits a request counts against: reads, or writes (with discards and
+/// write-zeroes, by their length, as QEMU's throttle filter counts them).
+fn direction(kind: &RequestKind) -> Dir {
+    match kind {
+        RequestKind::In => Dir::Read,
+        _ => Dir::Write,
     }
 }
 

@@ -21,6 +21,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use log::{error, warn};
+use std::os::fd::AsRawFd;
+
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -234,15 +236,10 @@ impl WorkerThread {
             }
             return;
         }
-        let timeout = match deadline {
-            None => -1,
-            Some(d) => {
-                d.saturating_duration_since(Instant::now())
-                    .as_millis()
-                    .min(1000) as i32
-                    + 1
-            }
-        };
+        let timeout = deadline.map(|d| {
+            d.saturating_duration_since(Instant::now())
+                .min(Duration::from_secs(1))
+        });
         bump(&self.stats.sleeps, 1);
         // One sleep in poll::SAMPLE_EVERY is measured: the CPU this thread spends on it
         // (entering epoll, being switched out, woken and switched in) bounds the polling
@@ -251,7 +248,7 @@ impl WorkerThread {
             .poll
             .sample_due()
             .then(|| (thread_cpu(), Instant::now()));
-        let waited = self.epoll.wait(timeout, events);
+        let waited = wait_precise(&self.epoll, timeout, events);
         if let Some((cpu0, wall0)) = sample {
             let (cpu, wall) = (thread_cpu().saturating_sub(cpu0), wall0.elapsed());
             if wall > cpu + Duration::from_micros(1) {
@@ -300,6 +297,51 @@ impl Worker {
             }
         }
     }
+}
+
+/// Wait in `epoll` for up to `timeout` (None: until an event), to the microsecond: a
+/// disk's QoS limits wake the worker when a waiting request may go, at rates up to
+/// hundreds of thousands per second (epoll_pwait2, Linux 5.11; before it, epoll_wait's
+/// milliseconds).
+fn wait_precise(
+    epoll: &Epoll,
+    timeout: Option<Duration>,
+    events: &mut [EpollEvent],
+) -> std::io::Result<usize> {
+    static NO_PWAIT2: AtomicBool = AtomicBool::new(false);
+    let Some(t) = timeout else {
+        return epoll.wait(-1, events);
+    };
+    if !NO_PWAIT2.load(Ordering::Relaxed) {
+        let ts = libc::timespec {
+            tv_sec: t.as_secs() as libc::time_t,
+            tv_nsec: libc::c_long::from(t.subsec_nanos() as i32),
+        };
+        // SAFETY: a valid epoll fd; `events` is a live array of epoll_event-compatible
+        // structures (EpollEvent is repr(transparent) over epoll_event) of the length
+        // passed; `ts` is a live timespec; no signal mask.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_epoll_pwait2,
+                epoll.as_raw_fd(),
+                events.as_mut_ptr(),
+                events.len().min(i32::MAX as usize) as libc::c_int,
+                &ts as *const libc::timespec,
+                std::ptr::null::<libc::sigset_t>(),
+                0usize,
+            )
+        };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ENOSYS) {
+            return Err(e);
+        }
+        NO_PWAIT2.store(true, Ordering::Relaxed);
+    }
+    let ms = t.as_millis().min(1000) as i32 + i32::from(t.subsec_nanos() % 1_000_000 != 0);
+    epoll.wait(ms, events)
 }
 
 /// This thread's CPU time (user and system), to the nanosecond.

@@ -387,7 +387,7 @@ impl Drop for Daemon {
 }
 
 /// `vblk serve`'s per-queue summary, logged when a frontend disconnects:
-/// `queue {q}: {done} requests completed, {bad} rejected, {failed} failed`.
+/// `disk {id}: queue {q}: {done} requests completed, {bad} rejected, {failed} failed`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QueueSummary {
     pub queue: usize,
@@ -400,7 +400,14 @@ pub struct QueueSummary {
 pub fn queue_summaries(log: &str) -> Vec<QueueSummary> {
     log.lines()
         .filter_map(|line| {
-            let rest = &line[line.find("] queue ")? + "] queue ".len()..];
+            // `[time LEVEL target] disk ID: queue ...` (one disk of several) or
+            // `[time LEVEL target] queue ...`.
+            let msg = &line[line.find("] ")? + 2..];
+            let msg = match msg.strip_prefix("disk ") {
+                Some(r) => r.split_once(": ")?.1,
+                None => msg,
+            };
+            let rest = msg.strip_prefix("queue ")?;
             let (q, rest) = rest.split_once(": ")?;
             let (done, rest) = rest.split_once(" requests completed, ")?;
             let (bad, rest) = rest.split_once(" rejected, ")?;
