@@ -188,7 +188,7 @@ pub struct DiskArgs {
     #[arg(long, value_name = "N:MS[:hold|:hold-writes]")]
     pub delay_every: Option<storage::Delay>,
 
-    /// QoS limits, with QEMU's names and semantics (libvirt's <iotune>): iops-total,
+    /// QoS limits, with QEMU's names and semantics (libvirt's `<iotune>`): iops-total,
     /// iops-read, iops-write (requests per second), bps-total, bps-read, bps-write (bytes
     /// per second; K, M, G suffixes are powers of 1024), each with -max (a burst rate)
     /// and -max-length (seconds the burst may last at that rate), and iops-size (a

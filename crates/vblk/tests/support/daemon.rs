@@ -163,7 +163,7 @@ impl Daemon {
             socket.display()
         );
         let _ = fs::remove_file(socket);
-        let mut cmd = match backend {
+        let cmd = match backend {
             Backend::Vblk => {
                 let mut cmd = Command::new(env!("CARGO_BIN_EXE_vblk"));
                 cmd.arg("serve").arg("--socket-path").arg(socket);
@@ -221,6 +221,18 @@ impl Daemon {
                 cmd
             }
         };
+        Daemon::spawn(name, backend, cmd, socket, log)
+    }
+
+    /// `vblk serve ARGS --log-level info`, waited for until `socket` (the last socket it
+    /// creates) exists: for command lines [`Export`] does not describe (several disks).
+    pub fn start_vblk(name: &str, args: &[&str], socket: &Path, log: &Path) -> Daemon {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_vblk"));
+        cmd.arg("serve").args(args).args(["--log-level", "info"]);
+        Daemon::spawn(name, Backend::Vblk, cmd, socket, log)
+    }
+
+    fn spawn(name: &str, backend: Backend, mut cmd: Command, socket: &Path, log: &Path) -> Daemon {
         let out = fs::File::create(log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
         let err = out.try_clone().expect("clone log file");
         cmd.stdin(Stdio::null()).stdout(out).stderr(err);
