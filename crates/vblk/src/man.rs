@@ -117,6 +117,8 @@ mod tests {
                 "vblk-disk-list",
                 "vblk-disk-add",
                 "vblk-disk-remove",
+                "vblk-disk-set",
+                "vblk-disk-group",
                 "vblk-disk-sync"
             ]
         );
@@ -138,6 +140,8 @@ mod tests {
                 "vblk-disk-list.1",
                 "vblk-disk-add.1",
                 "vblk-disk-remove.1",
+                "vblk-disk-set.1",
+                "vblk-disk-group.1",
                 "vblk-disk-sync.1"
             ]
         );
