@@ -32,9 +32,10 @@ use crate::disk_args::{
 ///
 ///   vblk serve --socket-path /tmp/vblk.sock --blk-file disk.img --num-queues 2
 ///
-///   vblk serve --threads 2 --control-socket /run/vblk/control.sock --cache none
-///     --disk socket=/run/vblk/vm1.sock,file=/var/lib/vblk/vm1.img,num-queues=4
-///     --disk socket=/run/vblk/vm2.sock,file=/var/lib/vblk/vm2.img,read-only
+///   vblk serve --threads 2 --control-socket /run/vblk/ctl.sock
+///     --cache none --format raw
+///     --disk socket=/run/vblk/vm1.sock,file=vm1.img,num-queues=4
+///     --disk socket=/run/vblk/vm2.sock,file=vm2.img,read-only
 ///
 ///   qemu-system-x86_64 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on
 ///     -numa node,memdev=mem -chardev socket,id=vblk0,path=/tmp/vblk.sock

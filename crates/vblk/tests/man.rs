@@ -9,12 +9,19 @@ use std::process::Command;
 use support::assets::require_program;
 use support::util::temp_dir;
 
-const PAGES: [&str; 5] = [
+const PAGES: [&str; 12] = [
     "vblk",
     "vblk-serve",
     "vblk-info",
     "vblk-bench",
     "vblk-stats",
+    "vblk-disk",
+    "vblk-disk-list",
+    "vblk-disk-add",
+    "vblk-disk-remove",
+    "vblk-disk-set",
+    "vblk-disk-group",
+    "vblk-disk-sync",
 ];
 
 #[test]

@@ -199,6 +199,8 @@ pub struct Guest {
     watched: Vec<(String, u32)>,
     /// A guest reset reboots (QEMU without `-no-reboot`).
     reboot: bool,
+    /// More QEMU arguments (devices to plug into later, ...).
+    qemu_args: Vec<String>,
 }
 
 /// Has process `pid` exited (gone, or a zombie not yet reaped)?
@@ -258,7 +260,14 @@ impl Guest {
             logs: Vec::new(),
             watched: Vec::new(),
             reboot: false,
+            qemu_args: Vec::new(),
         }
+    }
+
+    /// One more QEMU argument (e.g. `-device pcie-root-port,...` to hot-plug a disk into).
+    pub fn qemu_arg(mut self, arg: &str) -> Guest {
+        self.qemu_args.push(arg.into());
+        self
     }
 
     /// Adds a vhost-user-blk-pci device; the first is `/dev/vda`, then `vdb`...
@@ -501,6 +510,7 @@ impl Guest {
             }
             cmd.arg("-device").arg(device);
         }
+        cmd.args(&self.qemu_args);
         cmd.args(extra);
         cmd
     }

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Many disks on one host: 16 null disks, each driven by its own `vblk bench` job paced at
+# 5 k IOPS (80 k in all), 4 KiB random reads at QD 1, 2, 3, 4 (disk i at QD 1 + i % 4),
+# served by
+#   (a) vblk-1x16    one vblk serve, 16 disks (--disk), one worker thread
+#   (b) vblk-16x1    16 vblk serve daemons, one disk each (their defaults)
+#   (c) qsd-1x16     one qemu-storage-daemon, 16 vhost-user-blk exports in its main loop
+#   (d) qsd-iot-1x16 one qemu-storage-daemon, 16 exports in one IOThread
+# and, for the latency baseline, (e) vblk-1x1: one vblk serve, one disk, one job alone.
+# Devices run on CPU 1, the 16 jobs on CPU 0, all at once for RUNTIME seconds (after a
+# 1 s ramp). Per setup: the device processes' CPU time (from /proc/PID/stat, all of them)
+# per I/O completed, their CPU share, and the jobs' completion-latency p50/p99 (the
+# worst disk's and the median disk's). One run per setup; the setups take turns.
+#
+#   bash bench/sharing.sh [RUNTIME_S] [OUT_DIR]
+#
+# Needs qemu-storage-daemon (qemu-system-common) and taskset.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNTIME=${1:-10}
+OUT=${2:-$(mktemp -d /var/tmp/vblk-sharing.XXXXXX)}
+mkdir -p "$OUT"
+N=16
+RATE=5000
+cargo build --release -q -p vblk
+V=$PWD/target/release/vblk
+D=$(mktemp -d /var/tmp/vblk-share.XXXXXX)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$D"; }
+trap cleanup EXIT
+
+wait_sock() { for _ in $(seq 200); do [ -S "$1" ] && return 0; sleep 0.05; done; echo "no socket $1" >&2; exit 1; }
+stop_all() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; pids=(); rm -f "$D"/*.sock; }
+# CPU ticks (user + system) of the listed pids.
+ticks() { local t=0; for p in "$@"; do t=$((t + $(awk '{print $14 + $15}' /proc/"$p"/stat))); done; echo "$t"; }
+HZ=$(getconf CLK_TCK)
+
+start_vblk_one() {
+  taskset -c 1 "$V" --log-level warn serve --socket-path "$D/d0.sock" --blk-file null:1G --num-queues 1 &
+  pids+=($!)
+  wait_sock "$D/d0.sock"
+}
+
+start_vblk_many() {
+  local args=()
+  for i in $(seq 0 $((N - 1))); do args+=(--disk "socket=$D/d$i.sock,file=null:1G,num-queues=1"); done
+  taskset -c 1 "$V" --log-level warn serve --threads 1 --image-lock off "${args[@]}" &
+  pids+=($!)
+  wait_sock "$D/d$((N - 1)).sock"
+}
+
+start_vblk_each() {
+  for i in $(seq 0 $((N - 1))); do
+    taskset -c 1 "$V" --log-level warn serve --socket-path "$D/d$i.sock" --blk-file null:1G --num-queues 1 &
+    pids+=($!)
+  done
+  for i in $(seq 0 $((N - 1))); do wait_sock "$D/d$i.sock"; done
+}
+
+start_qsd() { # [iothread]
+  local args=() io=""
+  if [ -n "${1:-}" ]; then args+=(--object iothread,id=iot0); io=",iothread=iot0"; fi
+  for i in $(seq 0 $((N - 1))); do
+    args+=(--blockdev "driver=null-co,node-name=n$i,size=1073741824,read-zeroes=on"
+      --export "type=vhost-user-blk,id=e$i,node-name=n$i,addr.type=unix,addr.path=$D/d$i.sock,num-queues=1,writable=on$io")
+  done
+  taskset -c 1 qemu-storage-daemon "${args[@]}" &
+  pids+=($!)
+  wait_sock "$D/d$((N - 1)).sock"
+}
+
+# run NAME DISKS: the jobs against d0..d(DISKS-1); writes OUT/NAME-i.json and a summary line.
+run() {
+  local name=$1 disks=$2 jobs=()
+  local t0 w0
+  for i in $(seq 0 $((disks - 1))); do
+    taskset -c 0 "$V" --log-level warn bench --socket "$D/d$i.sock" --name "$name-$i" \
+      --rw=randread --bs=4k --iodepth=$((1 + i % 4)) --rate_iops=$RATE --size=1g \
+      --runtime="$RUNTIME" --time_based --ramp_time=1 --output-format=json >"$OUT/$name-$i.json" &
+    jobs+=($!)
+  done
+  sleep 1
+  t0=$(ticks "${pids[@]}")
+  w0=$(date +%s.%N)
+  wait "${jobs[@]}"
+  local t1 w1
+  t1=$(ticks "${pids[@]}")
+  w1=$(date +%s.%N)
+  python3 - "$name" "$disks" "$OUT" "$((t1 - t0))" "$HZ" "$w0" "$w1" <<'EOF'
+import json, sys, statistics
+name, disks, out, dt, hz, w0, w1 = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
+ios, p50, p99 = 0, [], []
+for i in range(disks):
+    j = json.load(open(f"{out}/{name}-{i}.json"))["jobs"][0]["read"]
+    ios += j["total_ios"]
+    pct = j["clat_ns"]["percentile"]
+    p50.append(pct["50.000000"] / 1000)
+    p99.append(pct["99.000000"] / 1000)
+cpu_s = dt / hz
+wall = w1 - w0
+print(f"{name:<14} {disks:>5} {ios/ (wall - 0):>10.0f} {cpu_s / ios * 1e6 if ios else 0:>12.2f} {100 * cpu_s / wall:>8.1f} "
+      f"{statistics.median(p50):>9.1f} {statistics.median(p99):>9.1f} {max(p99):>9.1f}")
+EOF
+}
+
+echo "== sharing: $N null disks, each a job paced at $RATE IOPS (QD 1-4), ${RUNTIME}s after a 1 s ramp; devices on CPU 1, jobs on CPU 0"
+echo "== machine: $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /proc/loadavg); $("$V" --version)"
+printf '%-14s %5s %10s %12s %8s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "p50 med" "p99 med" "p99 max"
+start_vblk_many; run vblk-1x16 "$N"; stop_all
+start_vblk_each; run vblk-16x1 "$N"; stop_all
+start_qsd; run qsd-1x16 "$N"; stop_all
+start_qsd iothread; run qsd-iot-1x16 "$N"; stop_all
+start_vblk_one; run vblk-1x1 1; stop_all
+echo "(latencies in µs, completion latency as fio's clat; dev µs/I/O: the device processes' CPU time per I/O completed; JSON in $OUT)"
