@@ -157,9 +157,19 @@ impl Drop for SocketFile {
 
 /// Remove a socket file left by a daemon that is gone; refuse anything else.
 fn clear_stale(path: &Path) -> Result<(), SocketError> {
+    if remove_if_stale(path)? {
+        log::warn!("removed stale socket {}", path.display());
+    }
+    Ok(())
+}
+
+/// Remove the socket file at `path` if nobody listens on it any more (a daemon that died,
+/// or one whose sandbox kept it from removing it): `Ok(true)` if removed, `Ok(false)` if
+/// there was none; an error for anything else (a live socket, not a socket at all).
+pub fn remove_if_stale(path: &Path) -> Result<bool, SocketError> {
     let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(source) => {
             return Err(SocketError::Io {
                 path: path.to_path_buf(),
@@ -172,14 +182,13 @@ fn clear_stale(path: &Path) -> Result<(), SocketError> {
     }
     match UnixStream::connect(path) {
         Ok(_) => Err(SocketError::Taken(path.to_path_buf())),
-        // Nobody listens: a daemon that died left it.
-        Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
-            log::warn!("removing stale socket {}", path.display());
-            std::fs::remove_file(path).map_err(|source| SocketError::Io {
+        // Nobody listens.
+        Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => std::fs::remove_file(path)
+            .map(|()| true)
+            .map_err(|source| SocketError::Io {
                 path: path.to_path_buf(),
                 source,
-            })
-        }
+            }),
         Err(source) => Err(SocketError::Unprobed {
             path: path.to_path_buf(),
             source,

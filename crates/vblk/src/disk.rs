@@ -226,16 +226,15 @@ fn list(a: &ListArgs) -> Result<(), Box<dyn Error>> {
         "id", "attached", "size", "socket"
     );
     for d in disks {
-        let gib = d["capacity_bytes"].as_u64().unwrap_or(0) as f64 / (1u64 << 30) as f64;
         println!(
-            "{:<16} {:<9} {:>8.1}Gi  {:<32} {}{}",
+            "{:<16} {:<9} {:>10}  {:<32} {}{}",
             d["id"].as_str().unwrap_or("?"),
             if d["attached"].as_bool() == Some(true) {
                 "yes"
             } else {
                 "no"
             },
-            gib,
+            size_text(d["capacity_bytes"].as_u64().unwrap_or(0)),
             d["socket"].as_str().unwrap_or("?"),
             d["disk"].as_str().unwrap_or("?"),
             if d["read_only"].as_bool() == Some(true) {
@@ -291,6 +290,25 @@ pub fn add(control: &Path, spec: &str, group: Option<&str>) -> Result<String, Bo
     Ok(reply["id"].as_str().unwrap_or("?").to_string())
 }
 
+/// A size in the largest binary unit that keeps a whole number before the point:
+/// `16.0 MiB`, `1.5 GiB`, `512 B`.
+fn size_text(bytes: u64) -> String {
+    let units = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut value = bytes as f64;
+    let mut unit = None;
+    for u in units {
+        if value < 1024.0 {
+            break;
+        }
+        value /= 1024.0;
+        unit = Some(u);
+    }
+    match unit {
+        Some(u) => format!("{value:.1} {u}"),
+        None => format!("{bytes} B"),
+    }
+}
+
 /// Whether an item is a QoS setting (`throttle...`, `group`).
 fn is_throttle_item(key: &str) -> bool {
     key == "throttle" || key == "group" || key.starts_with("throttle.")
@@ -337,12 +355,20 @@ pub fn set(
 
 /// Remove disk `id` from the daemon at `control`.
 pub fn remove(control: &Path, id: &str, force: bool) -> Result<(), Box<dyn Error>> {
-    request(
+    let reply = request(
         control,
         &json!({"op": "remove", "id": id, "force": force}),
         &[],
         SLOW_REQUEST,
     )?;
+    // A disk added live may have its socket where the daemon's sandbox cannot remove
+    // files (`vblk disk add` made it, not the daemon): the daemon has closed it; remove
+    // it here if nobody listens on it.
+    if let Some(path) = reply["socket"].as_str() {
+        if let Err(e) = device::socket_file::remove_if_stale(Path::new(path)) {
+            eprintln!("vblk disk remove: disk {id} removed, but its socket stays: {e}");
+        }
+    }
     Ok(())
 }
 
@@ -477,4 +503,17 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
         return Ok(());
     }
     Err(failed.join("\n").into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::size_text;
+
+    #[test]
+    fn sizes_read_in_their_unit() {
+        assert_eq!(size_text(512), "512 B");
+        assert_eq!(size_text(16 << 20), "16.0 MiB");
+        assert_eq!(size_text(3 << 29), "1.5 GiB");
+        assert_eq!(size_text(8 << 40), "8.0 TiB");
+    }
 }

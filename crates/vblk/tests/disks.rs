@@ -103,10 +103,13 @@ fn disks_come_and_go_while_the_daemon_runs() {
     let _one_at_a_time = serial();
     within(LIMIT, "the test", || {
         let dir = temp_dir("disks-live");
+        // The disk added later lives in a directory the daemon's sandbox does not cover
+        // (its own sockets' directories are those it can remove sockets from).
+        let later = temp_dir("disks-later");
         let (a, b, c) = (
             dir.path().join("a.sock"),
             dir.path().join("b.sock"),
-            dir.path().join("c.sock"),
+            later.path().join("c.sock"),
         );
         let ctl = dir.path().join("ctl.sock");
         let img = dir.path().join("c.img");
@@ -130,6 +133,7 @@ fn disks_come_and_go_while_the_daemon_runs() {
         );
         let list = ok(&["disk", "list", s(&ctl)]);
         assert!(list.contains("a ") && list.contains("second "), "{list}");
+        assert!(list.contains("16.0 MiB") && list.contains("1.0 GiB"), "{list}");
         let v: Value = serde_json::from_str(&ok(&["disk", "list", s(&ctl), "--json"])).unwrap();
         assert_eq!(
             v["disks"][0]["num_queues"], 2,
@@ -198,7 +202,7 @@ fn disks_come_and_go_while_the_daemon_runs() {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        assert!(!c.exists());
+        assert!(!c.exists(), "the removed disk's socket is gone");
         let (bad, why) = vblk(&["disk", "remove", s(&ctl), "nosuch"]);
         assert!(!bad && why.contains("no disk is named \"nosuch\""), "{why}");
         let (bad, why) = vblk(&[
