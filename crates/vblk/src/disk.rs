@@ -48,11 +48,12 @@ pub enum DiskCommand {
     /// Change a disk's QoS limits or its throttle group while it runs.
     ///
     /// KEY=VALUE,... with the keys of `--disk`: throttle.iops-total=N, throttle.bps-read=N,
-    /// ... (the new limits replace all the old ones, as QEMU's block_set_io_throttle does;
-    /// throttle=none removes them), throttle.group=NAME (group=none leaves the group).
+    /// ... or QEMU's bare names (iops-total=N); the new limits replace all the old ones, as
+    /// QEMU's block_set_io_throttle does (throttle=none removes them);
+    /// throttle.group=NAME or group=NAME (group=none leaves the group).
     /// Requests waiting are looked at again under the new limits at once.
     ///
-    ///   vblk disk set /run/vblk/control.sock vm1 throttle.iops-total=2000,throttle.bps-total=100M
+    ///   vblk disk set /run/vblk/control.sock vm1 iops-total=2000,bps-total=100M
     #[command(verbatim_doc_comment)]
     Set(SetArgs),
     /// Set a throttle group's limits while the daemon runs (the group is made if need be).
@@ -309,6 +310,13 @@ fn size_text(bytes: u64) -> String {
     }
 }
 
+/// Whether `key` is one of QEMU's limit names (`iops-total`, `bps-read-max`, ...), which
+/// `vblk disk set` takes without `throttle.` as `vblk disk group` does (the daemon checks
+/// the name).
+fn is_limit_name(key: &str) -> bool {
+    key.starts_with("iops-") || key.starts_with("bps-")
+}
+
 /// Whether an item is a QoS setting (`throttle...`, `group`).
 fn is_throttle_item(key: &str) -> bool {
     key == "throttle" || key == "group" || key.starts_with("throttle.")
@@ -329,7 +337,7 @@ pub fn set(
         match k.as_str() {
             "throttle" if v == "none" => cleared = true,
             "group" | "throttle.group" => body["group"] = json!(if v == "none" { "" } else { v }),
-            k => match k.strip_prefix("throttle.") {
+            k => match k.strip_prefix("throttle.").or_else(|| is_limit_name(k).then_some(k)) {
                 Some(key) => limits.push(format!("{key}={v}")),
                 None => {
                     return Err(format!(
