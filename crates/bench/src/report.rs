@@ -336,7 +336,7 @@ pub fn compare_text(rows: &[Row]) -> String {
             out,
             "{:<w$} {:>20} {:>7.2} {:>12.1} {:>8.1}µs {:>8.1}µs {:>14} {:>14} {:>8}",
             r.label,
-            format!("{} ± {}", human(m), human(sd)),
+            spread(m, sd, r.runs.len()),
             ratio,
             bw,
             p50,
@@ -347,6 +347,16 @@ pub fn compare_text(rows: &[Row]) -> String {
         );
     }
     out
+}
+
+/// A mean with its spread, or, from one run, the figure and "1 run": a single run has no
+/// spread to show, and "± 0" would claim one.
+fn spread(mean: f64, sd: f64, runs: usize) -> String {
+    if runs > 1 {
+        format!("{} ± {}", human(mean), human(sd))
+    } else {
+        format!("{} (1 run)", human(mean))
+    }
 }
 
 fn merged_clat(j: &JobReport) -> Latency {

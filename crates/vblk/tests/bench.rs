@@ -209,6 +209,34 @@ fn compare_prints_a_table_with_ratios_and_plots_it() {
     assert!(svg.starts_with("<svg") && svg.contains("path=batch"));
 }
 
+/// One run per variant has no spread: the table says "1 run", never "± 0".
+#[test]
+fn a_single_run_shows_no_spread() {
+    let out = vblk()
+        .args([
+            "bench",
+            "--rw=randread",
+            "--bs=4k",
+            "--iodepth=4",
+            "--size=8m",
+            "--runtime=200ms",
+            "--time_based",
+        ])
+        .args(["--compare", "path=bio,batch"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for variant in ["path=bio", "path=batch"] {
+        let row = text.lines().find(|l| l.starts_with(variant)).expect(&text);
+        assert!(row.contains("(1 run)") && !row.contains('±'), "{row}");
+    }
+}
+
 fn write_job(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
