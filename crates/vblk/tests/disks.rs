@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use driver::{Disk, DiskOptions};
 use serde_json::Value;
 use support::daemon::Daemon;
+use support::nbdkit::Nbdkit;
 use support::util::{temp_dir, within};
 
 const MIB: u64 = 1 << 20;
@@ -216,6 +217,99 @@ fn disks_come_and_go_while_the_daemon_runs() {
         ]);
         assert!(!bad && why.contains("applies to the whole daemon"), "{why}");
         drop(d);
+    });
+}
+
+/// Three disks on one worker thread: one whose NBD server takes 3 s for a read, one whose
+/// frontend sent half a message and went quiet, and one served normally. The third does a
+/// thousand verified writes and reads while the slow read is still at its server, and the
+/// quiet frontend's disk serves the next frontend once it is gone.
+#[test]
+fn a_slow_server_or_a_stuck_frontend_stalls_no_other_disk() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("disks-apart");
+        let nbd = Nbdkit::start(dir.path(), &["--filter=delay", "memory", "64M", "rdelay=3"]);
+        let ctl = dir.path().join("ctl.sock");
+        let (slow, fast, stuck) = (
+            dir.path().join("slow.sock"),
+            dir.path().join("fast.sock"),
+            dir.path().join("stuck.sock"),
+        );
+        let _d = Daemon::start_vblk(
+            "vblk",
+            &[
+                "--threads",
+                "1",
+                "--num-queues",
+                "1",
+                "--control-socket",
+                s(&ctl),
+                "--disk",
+                &format!("socket={},file={}", s(&slow), nbd.uri()),
+                "--disk",
+                &format!("socket={},file=mem:16M", s(&fast)),
+                "--disk",
+                &format!("socket={},file=null:1G", s(&stuck)),
+            ],
+            &stuck,
+            &dir.path().join("vblk.log"),
+        );
+        // Half a vhost-user header, then nothing.
+        let mut quiet = std::os::unix::net::UnixStream::connect(&stuck).unwrap();
+        std::io::Write::write_all(&mut quiet, &[1, 0, 0, 0]).unwrap();
+        // A read the NBD server holds for 3 s.
+        let slow_done = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (slow, done) = (slow.clone(), slow_done.clone());
+            std::thread::spawn(move || {
+                let disk = Disk::attach(&slow, &DiskOptions::default()).unwrap();
+                let mut q = disk.take_queue(0).unwrap();
+                let mut buf = vec![0u8; 4096];
+                q.read_at(0, &mut buf).unwrap();
+                done.store(true, Ordering::SeqCst);
+            })
+        };
+        let in_flight = |id: &str| {
+            let st = stats(&ctl);
+            let disk = st["disks"]
+                .as_array()
+                .and_then(|d| d.iter().find(|d| d["id"] == id).cloned())
+                .unwrap_or(Value::Null);
+            disk["queues"][0]["in_flight"].as_u64().unwrap_or(0)
+        };
+        let t0 = Instant::now();
+        while in_flight("slow") == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "the slow read never reached the daemon"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let disk = Disk::attach(&fast, &DiskOptions::default()).unwrap();
+        let mut q = disk.take_queue(0).unwrap();
+        let mut back = vec![0u8; 4096];
+        for i in 0..1000u64 {
+            let block = vec![(i % 251) as u8; 4096];
+            let at = (i % 4096) * 4096;
+            q.write_at(at, &block).unwrap();
+            q.read_at(at, &mut back).unwrap();
+            assert_eq!(back, block, "block {i}");
+        }
+        assert!(
+            !slow_done.load(Ordering::SeqCst) && in_flight("slow") == 1,
+            "the slow read ended before the other disk's thousand requests did: this test \
+             shows nothing (the server's delay is too short for this machine)"
+        );
+        drop(q);
+        drop(disk);
+        reader.join().unwrap();
+        assert!(slow_done.load(Ordering::SeqCst));
+        // The quiet frontend goes; the next one is served.
+        drop(quiet);
+        let next = Disk::attach(&stuck, &DiskOptions::default()).unwrap();
+        let mut q = next.take_queue(0).unwrap();
+        q.write_at(0, &[1u8; 4096]).unwrap();
     });
 }
 

@@ -6,65 +6,17 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use driver::{Disk, DiskOptions};
 use support::assets::{find_program, require_programs};
 use support::daemon::{Backend, Daemon, Export};
+use support::nbdkit::Nbdkit;
 use support::util::{die_with_parent, temp_dir};
 
 const MIB: usize = 1 << 20;
 const IO_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// An nbdkit serving on a Unix socket; killed on drop.
-struct Nbdkit {
-    child: Child,
-    sock: PathBuf,
-}
-
-impl Nbdkit {
-    fn start(dir: &Path, args: &[&str]) -> Nbdkit {
-        require_programs(&[("nbdkit", "nbdkit")]);
-        let sock = dir.join("nbdkit.sock");
-        let pidfile = dir.join("nbdkit.pid");
-        // A server killed before (a restart) leaves both behind.
-        let _ = std::fs::remove_file(&sock);
-        let _ = std::fs::remove_file(&pidfile);
-        let mut cmd = Command::new(find_program("nbdkit").expect("checked"));
-        cmd.arg("-f")
-            .arg("-P")
-            .arg(&pidfile)
-            .arg("-U")
-            .arg(&sock)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null());
-        die_with_parent(&mut cmd);
-        let mut child = cmd.spawn().expect("cannot start nbdkit");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !std::fs::metadata(&pidfile).is_ok_and(|m| m.len() > 0) {
-            if let Some(st) = child.try_wait().unwrap() {
-                panic!("nbdkit {args:?} exited with {st}");
-            }
-            assert!(Instant::now() < deadline, "nbdkit never listened");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Nbdkit { child, sock }
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.sock.display())
-    }
-}
-
-impl Drop for Nbdkit {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn vblk() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_vblk"));

@@ -10,6 +10,7 @@ pub mod fio;
 pub mod guest;
 pub mod layer;
 pub mod migration;
+pub mod nbdkit;
 pub mod raw_frontend;
 pub mod raw_ring;
 pub mod util;
