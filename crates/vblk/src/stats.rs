@@ -120,7 +120,72 @@ fn print_snapshot(v: &Value) {
         }
         print_disk(d, u(&v["uptime_ns"]));
     }
+    print_groups(v);
     print_workers(v);
+}
+
+/// QoS limits as QEMU writes them (`iops-total=2000,bps-read=104857600`), or "none".
+fn limits_text(limits: &Value) -> String {
+    let items: Vec<String> = limits
+        .as_object()
+        .map(|m| m.iter().map(|(k, v)| format!("{k}={v}")).collect())
+        .unwrap_or_default();
+    if items.is_empty() {
+        "none".into()
+    } else {
+        items.join(",")
+    }
+}
+
+/// How many requests waited for QoS limits (the disk's or its group's) and for how long:
+/// "N requests waited, M ms on average".
+fn waited_text(t: &Value) -> String {
+    let (n, ns) = (u(&t["delayed"]), u(&t["wait_ns"]));
+    let avg = if n > 0 {
+        ns as f64 / n as f64 / 1e6
+    } else {
+        0.0
+    };
+    format!("{n} requests waited, {avg:.2} ms on average")
+}
+
+/// A disk's QoS: its limits, its group, what waiting they caused.
+fn print_throttle(t: &Value) {
+    if t.is_null() {
+        return;
+    }
+    let limits = limits_text(&t["limits"]);
+    let group = t["group"].as_str();
+    if limits == "none" && group.is_none() {
+        return;
+    }
+    println!(
+        "QoS: limits {limits}{}; {} (for these limits or the group's)",
+        group
+            .map(|g| format!(", throttle group {g}"))
+            .unwrap_or_default(),
+        waited_text(t)
+    );
+}
+
+fn print_groups(v: &Value) {
+    for g in v["throttle_groups"].as_array().cloned().unwrap_or_default() {
+        let members: Vec<&str> = g["members"]
+            .as_array()
+            .map(|m| m.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        println!(
+            "throttle group {}: limits {}, disks {}; of their requests {}",
+            g["name"].as_str().unwrap_or("?"),
+            limits_text(&g["limits"]),
+            if members.is_empty() {
+                "none".to_string()
+            } else {
+                members.join(" ")
+            },
+            waited_text(&g)
+        );
+    }
 }
 
 fn print_workers(v: &Value) {
@@ -253,6 +318,7 @@ fn print_disk(v: &Value, uptime_ns: u64) {
             );
         }
     }
+    print_throttle(&v["throttle"]);
 }
 
 /// One queue's counters, for differences.

@@ -613,7 +613,22 @@ fn a_group_is_shared_fairly_and_changes_live() {
         assert_eq!(g["name"], "g");
         assert_eq!(g["limits"]["iops-total"], 1000);
         assert_eq!(g["members"].as_array().unwrap().len(), 2);
+        assert!(
+            u64_of(&g["delayed"]) > 0,
+            "the group's waits are counted: {g}"
+        );
+        // The same in words: each disk's group and waits, the group's limits and members.
+        let text = ok(&["stats", s(&ctl)]);
+        assert!(
+            text.contains("QoS: limits none, throttle group g; ")
+                && text.contains("throttle group g: limits iops-total=1000, disks a b; "),
+            "{text}"
+        );
     });
+}
+
+fn u64_of(v: &Value) -> u64 {
+    v.as_u64().unwrap_or(0)
 }
 
 /// A disk's limits change while it runs: twice, then back to unlimited, then into a group
