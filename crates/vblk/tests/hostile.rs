@@ -16,7 +16,10 @@
 //!   not answered on the socket), so any is fine, but every message is answered or the
 //!   connection closed within 5 s, and stopping the ring (GET_VRING_BASE) is answered too.
 //!
-//! Either way the daemon stays alive and serves the next frontend.
+//! Either way the daemon stays alive and serves the next frontend. The daemon serves a
+//! second disk on the same worker thread (`--threads 1`), whose frontend (our driver) does
+//! verified writes and reads all along: every class must leave it served, and a class
+//! that lasts a second or more must not stop it for that long.
 //!
 //! The classes (the tables in `hostile/*.rs` say exactly what each one sends):
 //! - session: unknown request code, code 0, wrong version bits, REPLY flag on a request,
@@ -97,6 +100,82 @@ const CLASS_LIMIT: Duration = Duration::from_secs(60);
 /// The most the well-behaved frontend may take to attach, and then for its I/O.
 const SERVE_LIMIT: Duration = Duration::from_secs(10);
 
+/// The socket of the second disk of the daemon, served by the same worker thread as the
+/// disk the hostile frontends get.
+const BYSTANDER: &str = "bystander.sock";
+
+/// A frontend of the bystander disk doing verified 4 KiB writes and reads in a loop until
+/// told to stop: the rounds it completed, and the first error it met (it then attaches
+/// again, as after a daemon restart).
+struct Bystander {
+    rounds: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    error: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Bystander {
+    fn start(sock: PathBuf) -> Bystander {
+        use std::sync::atomic::Ordering;
+        let rounds = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let error = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (r, e, st) = (rounds.clone(), error.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !st.load(Ordering::Relaxed) {
+                let mut run = || -> Result<(), String> {
+                    let disk = Disk::attach(&sock, &DiskOptions::default())
+                        .map_err(|x| format!("attach: {x}"))?;
+                    let mut q = disk.take_queue(0).ok_or("no queue 0")?;
+                    let (mut data, mut back) = (vec![0u8; 4096], vec![0u8; 4096]);
+                    while !st.load(Ordering::Relaxed) {
+                        let lba = n % 4096 * 8;
+                        stamp(&mut data, n as u32, lba);
+                        q.write_at(lba * 512, &data)
+                            .map_err(|x| format!("write: {x}"))?;
+                        q.read_at(lba * 512, &mut back)
+                            .map_err(|x| format!("read: {x}"))?;
+                        if back != data {
+                            return Err(format!("sector {lba} does not read back as written"));
+                        }
+                        n += 1;
+                        r.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(())
+                };
+                if let Err(x) = run() {
+                    e.lock().unwrap().get_or_insert(x);
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        });
+        Bystander {
+            rounds,
+            error,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn rounds(&self) -> u64 {
+        self.rounds.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn take_error(&self) -> Option<String> {
+        self.error.lock().unwrap().take()
+    }
+}
+
+impl Drop for Bystander {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// What the daemon must do with a class.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Expect {
@@ -134,13 +213,25 @@ impl Serve {
         // its file behind, so remove it first).
         let _ = fs::remove_file(&sock);
         let out = fs::File::create(&log).unwrap();
+        let bystander = dir.join(BYSTANDER);
+        let _ = fs::remove_file(&bystander);
+        // Two disks on one worker thread: the hostile frontends get the first; the second,
+        // a RAM disk, is the bystander that must be served all along.
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_vblk"));
-        cmd.args(["--log-level", "info", "serve", "--socket-path"])
-            .arg(&sock)
-            .arg("--blk-file")
-            .arg(image)
+        cmd.args(["--log-level", "info", "serve", "--threads", "1"])
             .args(["--num-queues", &NUM_QUEUES.to_string()])
             .args(["--queue-size", &MAX_QUEUE_SIZE.to_string()])
+            .arg("--disk")
+            .arg(format!(
+                "socket={},file={}",
+                sock.display(),
+                image.display()
+            ))
+            .arg("--disk")
+            .arg(format!(
+                "socket={},file=mem:16M,num-queues=1",
+                bystander.display()
+            ))
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
             .stderr(out);
@@ -154,7 +245,7 @@ impl Serve {
             generation,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !s.sock.exists() {
+        while !s.sock.exists() || !s.dir.join(BYSTANDER).exists() {
             if let Some(st) = s.exited() {
                 panic!("vblk serve {}:\n{}", describe(st), s.log_tail(0, 50));
             }
@@ -321,12 +412,14 @@ fn hostile_frontends_are_refused_and_the_next_frontend_is_served() {
             serve.log_tail(0, 40)
         );
     }
+    let bystander = Bystander::start(dir.path().join(BYSTANDER));
     let started = Instant::now();
     let mut failures: Vec<(&Class, String, String)> = Vec::new();
     for (n, class) in selected.iter().enumerate() {
         let t = Instant::now();
         let log_at = serve.log_len();
         let mut why = Vec::new();
+        let before = bystander.rounds();
         let sock = serve.sock.clone();
         let run = class.run;
         let keep = match bounded(CLASS_LIMIT, move || {
@@ -353,6 +446,17 @@ fn hostile_frontends_are_refused_and_the_next_frontend_is_served() {
                 None => why.push(format!("the next frontend was not served: {e}")),
             }
             restart = true;
+        }
+        // The other disk on the worker thread was served while the class ran (a class
+        // that lasts a second and more is a frontend holding something: a full pipe, a
+        // socket nobody reads, half a message).
+        if let Some(e) = bystander.take_error() {
+            why.push(format!("the other disk's frontend failed: {e}"));
+        } else if t.elapsed() > Duration::from_secs(1) && bystander.rounds() == before {
+            why.push(format!(
+                "the other disk on the same worker thread was not served for the {:.1?} the class ran",
+                t.elapsed()
+            ));
         }
         // Whatever the class left running (a writer keeping a pipe full) stops only now.
         drop(keep);
@@ -386,6 +490,11 @@ fn hostile_frontends_are_refused_and_the_next_frontend_is_served() {
         }
     }
     let end = serve_check(&serve.sock, u32::MAX / 2);
+    let bystander_rounds = bystander.rounds();
+    drop(bystander);
+    eprintln!(
+        "the other disk's frontend did {bystander_rounds} verified writes and reads meanwhile"
+    );
     eprintln!(
         "{} classes in {:.1?}, {} failed",
         selected.len(),
