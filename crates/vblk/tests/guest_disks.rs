@@ -16,10 +16,10 @@ mod support;
 
 use std::fs;
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use support::cli::vblk;
 use support::daemon::Daemon;
 use support::guest::{Boot, Guest, TempDir};
 use support::layer::fio_layer;
@@ -31,17 +31,6 @@ fn image(dir: &Path, name: &str, size: u64) -> std::path::PathBuf {
     let p = dir.join(name);
     fs::File::create(&p).unwrap().set_len(size).unwrap();
     p
-}
-
-fn vblk(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_vblk"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
-    )
 }
 
 const SCRIPT: &str = r#"

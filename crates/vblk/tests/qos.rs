@@ -1,0 +1,283 @@
+//! QoS limits that hold, with the real binary: every limit kind, bursts, a group shared
+//! fairly, limits changed while running (twice, and back to unlimited). Rates are
+//! measured by `vblk bench` over a few seconds after a ramp (the bucket's initial tenth of
+//! a second of credit goes in the ramp), or by the daemon's own counters where two jobs
+//! run at once, and must be within 2 % of the limit: the limits are low enough for any
+//! machine to reach them. One test at a time (`serial`): run together on a small machine
+//! they would measure each other.
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use support::cli::{bench, config, disk_table, ok, s, saturate, serial, stats, vblk, within_2pct};
+use support::daemon::Daemon;
+use support::util::{temp_dir, within};
+
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// Every kind of limit holds to within 2 %: IOPS total, read and write, bytes total, read
+/// and write, iops-size. Each disk has its own limit; they run at once.
+#[test]
+fn every_limit_kind_holds() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("qos-kinds");
+        let ctl = dir.path().join("ctl.sock");
+        // (limit, job rw, block size, the expected IOPS, or MiB/s for byte limits)
+        let cases: [(&str, &str, &str, f64, bool); 7] = [
+            ("iops-total = 2000", "randread", "4k", 2000.0, false),
+            ("iops-read = 1500", "randread", "4k", 1500.0, false),
+            ("iops-write = 1000", "randwrite", "4k", 1000.0, false),
+            ("bps-total = \"16M\"", "randread", "64k", 16.0, true),
+            ("bps-read = \"4M\"", "randread", "4k", 4.0, true),
+            ("bps-write = \"8M\"", "randwrite", "128k", 8.0, true),
+            // 16 KiB requests count as four: 250 of them a second.
+            (
+                "iops-total = 1000\niops-size = 4096",
+                "randread",
+                "16k",
+                250.0,
+                false,
+            ),
+        ];
+        let socks: Vec<PathBuf> = (0..cases.len())
+            .map(|i| dir.path().join(format!("k{i}.sock")))
+            .collect();
+        let tables: String = cases
+            .iter()
+            .zip(&socks)
+            .map(|((limit, ..), sock)| disk_table(sock, &format!("[disk.throttle]\n{limit}")))
+            .collect();
+        let cfg = config(dir.path(), &ctl, &tables);
+        let _d = Daemon::start_vblk(
+            "vblk",
+            &["--config", s(&cfg)],
+            socks.last().unwrap(),
+            &dir.path().join("vblk.log"),
+        );
+        let runs: Vec<_> = cases
+            .iter()
+            .zip(socks)
+            .map(|(&(limit, rw, bs, want, bytes), sock)| {
+                std::thread::spawn(move || {
+                    let args = saturate(rw, bs);
+                    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                    let (iops, mib, _) = bench(&sock, &args);
+                    (limit, if bytes { mib } else { iops }, want)
+                })
+            })
+            .collect();
+        for r in runs {
+            let (limit, got, want) = r.join().unwrap();
+            within_2pct(&limit.replace('\n', ","), got, want);
+        }
+        let st = stats(&ctl);
+        assert!(
+            st["disks"][0]["throttle"]["delayed"].as_u64().unwrap() > 0,
+            "throttled requests are counted: {}",
+            st["disks"][0]["throttle"]
+        );
+    });
+}
+
+/// A burst: `-max` for `-max-length` seconds' worth, then the base rate (QEMU's
+/// semantics: iops 500, max 2000 for 2 s: the bucket holds 4000 requests, the burst rate
+/// fills it in about 2.5 s, 7000 requests in the first 6 s), and then 500 a second.
+#[test]
+fn a_burst_delivers_its_credit_then_the_base_rate() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("qos-burst");
+        let ctl = dir.path().join("ctl.sock");
+        let sock = dir.path().join("b.sock");
+        let cfg = config(
+            dir.path(),
+            &ctl,
+            &disk_table(
+                &sock,
+                "throttle = { iops-total = 500, iops-total-max = 2000, iops-total-max-length = 2 }",
+            ),
+        );
+        let _d = Daemon::start_vblk(
+            "vblk",
+            &["--config", s(&cfg)],
+            &sock,
+            &dir.path().join("vblk.log"),
+        );
+        let job = [
+            "--rw=randread",
+            "--bs=4k",
+            "--iodepth=32",
+            "--size=64m",
+            "--runtime=6",
+            "--time_based",
+        ];
+        let (_, _, ios) = bench(&sock, &job);
+        within_2pct("requests in the first 6 s of a burst", ios as f64, 7000.0);
+        let args = saturate("randread", "4k");
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (iops, _, _) = bench(&sock, &args);
+        within_2pct("IOPS once the burst is spent", iops, 500.0);
+    });
+}
+
+/// Two saturating disks in a group of 3000 IOPS get 1500 each (± 5 %); alone, one gets
+/// all 3000. The group's limit changes while they run.
+#[test]
+fn a_group_is_shared_fairly_and_changes_live() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("qos-group");
+        let ctl = dir.path().join("ctl.sock");
+        let (a, b) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
+        let tables =
+            disk_table(&a, "group = \"g\"") + &disk_table(&b, "throttle = { group = \"g\" }");
+        let cfg = config(dir.path(), &ctl, &tables);
+        let _d = Daemon::start_vblk(
+            "vblk",
+            &["--config", s(&cfg)],
+            &b,
+            &dir.path().join("vblk.log"),
+        );
+        // Both disks saturate for 8 s; the rates come from the daemon's own counters over
+        // a window in which both are running (two processes never start at the same
+        // instant, and a disk alone in the group rightly gets all of it).
+        let pair = || {
+            let runs: Vec<_> = [a.clone(), b.clone()]
+                .into_iter()
+                .map(|sock| {
+                    std::thread::spawn(move || {
+                        let job = ["--rw=randread", "--bs=4k", "--iodepth=16", "--size=64m"];
+                        let mut args = job.to_vec();
+                        args.extend(["--runtime=8", "--time_based"]);
+                        bench(&sock, &args).0
+                    })
+                })
+                .collect();
+            let completed = || {
+                let st = stats(&ctl);
+                let per_disk: Vec<u64> = (0..2)
+                    .map(|i| {
+                        st["disks"][i]["queues"].as_array().map_or(0, |q| {
+                            q.iter().filter_map(|q| q["completed"].as_u64()).sum()
+                        })
+                    })
+                    .collect();
+                (per_disk[0], per_disk[1], Instant::now())
+            };
+            // Wait until both are being served, then let them settle for a second.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let first = completed();
+            loop {
+                std::thread::sleep(Duration::from_millis(50));
+                let now = completed();
+                if now.0 > first.0 && now.1 > first.1 {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the two jobs did not both start within 5 s"
+                );
+            }
+            std::thread::sleep(Duration::from_secs(1));
+            let s0 = completed();
+            std::thread::sleep(Duration::from_secs(3));
+            let s1 = completed();
+            let secs = (s1.2 - s0.2).as_secs_f64();
+            let rates = ((s1.0 - s0.0) as f64 / secs, (s1.1 - s0.1) as f64 / secs);
+            for t in runs {
+                t.join().unwrap();
+            }
+            rates
+        };
+        let (x, y) = pair();
+        within_2pct("the group's total", x + y, 3000.0);
+        for (name, got) in [("a", x), ("b", y)] {
+            assert!(
+                (got - 1500.0).abs() <= 75.0,
+                "disk {name}: {got:.0} IOPS of a fair 1500 ({x:.0} + {y:.0})"
+            );
+        }
+        let args = saturate("randread", "4k");
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        within_2pct("one disk alone in the group", bench(&a, &args).0, 3000.0);
+        ok(&["disk", "group", s(&ctl), "g", "iops-total=1000"]);
+        let (x, y) = pair();
+        within_2pct("the group's total after a change", x + y, 1000.0);
+        let st = stats(&ctl);
+        let g = &st["throttle_groups"][0];
+        assert_eq!(g["name"], "g");
+        assert_eq!(g["limits"]["iops-total"], 1000);
+        assert_eq!(g["members"].as_array().unwrap().len(), 2);
+        assert!(
+            u64_of(&g["delayed"]) > 0,
+            "the group's waits are counted: {g}"
+        );
+        // The same in words: each disk's group and waits, the group's limits and members.
+        let text = ok(&["stats", s(&ctl)]);
+        assert!(
+            text.contains("QoS: limits none, throttle group g; ")
+                && text.contains("throttle group g: limits iops-total=1000, disks a b; "),
+            "{text}"
+        );
+    });
+}
+
+fn u64_of(v: &Value) -> u64 {
+    v.as_u64().unwrap_or(0)
+}
+
+/// A disk's limits change while it runs: twice, then back to unlimited, then into a group
+/// and out of it.
+#[test]
+fn limits_change_while_a_disk_runs() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("qos-set");
+        let ctl = dir.path().join("ctl.sock");
+        let sock = dir.path().join("s.sock");
+        let cfg = config(
+            dir.path(),
+            &ctl,
+            &disk_table(&sock, "throttle = { iops-total = 1000 }"),
+        );
+        let _d = Daemon::start_vblk(
+            "vblk",
+            &["--config", s(&cfg)],
+            &sock,
+            &dir.path().join("vblk.log"),
+        );
+        let args = saturate("randread", "4k");
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let id = "s";
+        within_2pct("at first", bench(&sock, &args).0, 1000.0);
+        ok(&["disk", "set", s(&ctl), id, "throttle.iops-total=2000"]);
+        within_2pct("after a first change", bench(&sock, &args).0, 2000.0);
+        ok(&["disk", "set", s(&ctl), id, "bps-total=2M"]); // QEMU's bare name
+        within_2pct("after a second change (bytes)", bench(&sock, &args).1, 2.0);
+        ok(&["disk", "set", s(&ctl), id, "throttle=none"]);
+        let free = bench(&sock, &args).0;
+        assert!(free > 20_000.0, "unlimited again, yet {free:.0} IOPS");
+        ok(&["disk", "set", s(&ctl), id, "throttle.group=g"]);
+        within_2pct("in the group", bench(&sock, &args).0, 3000.0);
+        ok(&["disk", "set", s(&ctl), id, "group=none"]);
+        assert!(bench(&sock, &args).0 > 20_000.0);
+        let (bad, why) = vblk(&[
+            "disk",
+            "set",
+            s(&ctl),
+            id,
+            "throttle.iops-total=1,throttle.iops-read=1",
+        ]);
+        assert!(
+            !bad && why
+                .contains("total values and read/write values cannot be used at the same time"),
+            "{why}"
+        );
+        let (bad, why) = vblk(&["disk", "set", s(&ctl), id, "cache=none"]);
+        assert!(!bad && why.contains("remove and add it"), "{why}");
+    });
+}
