@@ -158,7 +158,7 @@ impl Drop for SocketFile {
 /// Remove a socket file left by a daemon that is gone; refuse anything else.
 fn clear_stale(path: &Path) -> Result<(), SocketError> {
     if remove_if_stale(path)? {
-        log::warn!("removed stale socket {}", path.display());
+        log::warn!("removing stale socket {}", path.display());
     }
     Ok(())
 }
