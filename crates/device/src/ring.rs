@@ -201,6 +201,13 @@ impl DeviceRing {
 
     /// Read the available index; the number of chains waiting, or an error when the driver
     /// claims more than the queue can hold.
+    /// Whether the driver made chains available that [`refresh`](Self::refresh) has not
+    /// seen (or an index that refresh will refuse): one load.
+    pub(crate) fn has_new(&self) -> bool {
+        self.avail_idx(Ordering::Relaxed) != self.seen_avail
+            || self.seen_avail != self.next_avail
+    }
+
     pub(crate) fn refresh(&mut self) -> Result<u16, RingError> {
         let avail = self.avail_idx(Ordering::Acquire);
         let ahead = avail.wrapping_sub(self.next_avail);
