@@ -199,15 +199,14 @@ impl DeviceRing {
         u16::from_le(self.u16_at(self.avail, 2).load(order))
     }
 
-    /// Read the available index; the number of chains waiting, or an error when the driver
-    /// claims more than the queue can hold.
     /// Whether the driver made chains available that [`refresh`](Self::refresh) has not
     /// seen (or an index that refresh will refuse): one load.
     pub(crate) fn has_new(&self) -> bool {
-        self.avail_idx(Ordering::Relaxed) != self.seen_avail
-            || self.seen_avail != self.next_avail
+        self.avail_idx(Ordering::Relaxed) != self.seen_avail || self.seen_avail != self.next_avail
     }
 
+    /// Read the available index; the number of chains waiting, or an error when the driver
+    /// claims more than the queue can hold.
     pub(crate) fn refresh(&mut self) -> Result<u16, RingError> {
         let avail = self.avail_idx(Ordering::Acquire);
         let ahead = avail.wrapping_sub(self.next_avail);
