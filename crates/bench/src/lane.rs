@@ -120,11 +120,20 @@ impl Lane for DriverLane {
             let trials: Vec<String> = a
                 .trials
                 .iter()
-                .map(|t| format!("{} {:.0} IOPS {:.2} us/IO", t.path, t.iops, t.cpu_us_per_io))
+                .map(|t| {
+                    format!(
+                        "{}{} {:.0} IOPS {:.2} us/IO",
+                        t.path,
+                        depth_note(t.queue_depth),
+                        t.iops,
+                        t.cpu_us_per_io
+                    )
+                })
                 .collect();
             parts.push(format!(
-                "auto: {} ({}; {} choice(s){}{})",
+                "auto: {}{} ({}; {} choice(s){}{})",
                 a.current,
+                depth_note(a.queue_depth),
                 a.reason,
                 a.choices,
                 if trials.is_empty() {
@@ -392,4 +401,10 @@ impl Drop for EngineLane {
             }
         }
     }
+}
+
+/// `,queue_depth=N` when auto's request path dispatches at another depth than the one
+/// configured (as the variant would be written on the command line).
+fn depth_note(depth: Option<u16>) -> String {
+    depth.map_or(String::new(), |d| format!(",queue_depth={d}"))
 }

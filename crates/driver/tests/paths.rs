@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use device::DeviceConfig;
-use storage::{Delay, EngineKind};
+use storage::{Delay, DiskSpec, EngineKind};
 use vblk_driver::{
     Completion, Disk, DiskOptions, ElevatorKind, Io, PathKind, Queue, QueueOptions, RequestOptions,
 };
@@ -499,7 +499,7 @@ fn auto_follows_the_devices_hint_and_otherwise_measures_and_remeasures() {
     };
     phase(&mut q, &mut bufs, false, &|r| r.choices >= 1);
     let r = q.auto_report().unwrap();
-    assert_eq!(r.trials.len(), 3, "{r:?}");
+    assert_eq!(r.trials.len(), 4, "{r:?}");
     assert!(r.trials.iter().all(|t| t.iops > 0.0), "{r:?}");
     // The same workload for another second: no new round (the next is due after 8 s).
     let first = r.choices;
@@ -567,7 +567,7 @@ fn auto_chooses_once_for_the_whole_disk_with_every_queue_in_the_same_slots() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let first = &reports[0];
-    assert_eq!(first.trials.len(), 3, "{first:?}");
+    assert_eq!(first.trials.len(), 4, "{first:?}");
     assert!(first.trials.iter().all(|t| t.iops > 0.0), "{first:?}");
     for r in &reports {
         assert!(r.choices >= 1, "{r:?}");
@@ -575,5 +575,91 @@ fn auto_chooses_once_for_the_whole_disk_with_every_queue_in_the_same_slots() {
             r.current, first.current,
             "one choice for the disk: {reports:?}"
         );
+    }
+}
+
+#[test]
+fn auto_finds_the_shallow_request_path_on_a_hard_disk_that_hides_it() {
+    // The simulated 7200 rpm disk serves one request at a time in arrival order, and does
+    // not say it is rotational. At QD32, bio, batch and the request path at the ring's
+    // depth all leave the disk a queue of 32 unmerged, unsorted requests (S4: 3.1k IOPS
+    // sequential, 72 random); with two on the ring the rest merge and are sorted in the
+    // elevator (21k, and 126). Only measurement can find that here, and auto has to.
+    let (_d, sock) = start(DeviceConfig {
+        disk: DiskSpec::Hdd {
+            size: 1 << 30,
+            speedup: 1,
+            reports_rotation: false,
+        },
+        num_queues: 1,
+        ..Default::default()
+    });
+    let (disk, mut q) = one_queue(&sock, &options(PathKind::Auto, RequestOptions::default()));
+    assert!(!disk.info().hints.rotational);
+    let mut free: Vec<_> = (0..32).map(|_| q.alloc(4096).unwrap()).collect();
+    let mut rng = Rng(11);
+    let mut next = 0u64;
+    // Runs QD32 4 KiB reads (sequential or random) until auto has decided `rounds`
+    // rounds, at most `limit`; returns the report.
+    let mut run = |q: &mut Queue, sequential: bool, rounds: u64, limit: Duration| {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            while let Some(b) = free.pop() {
+                let block = if sequential {
+                    next = (next + 1) % 262_144;
+                    next
+                } else {
+                    rng.next() % 262_144
+                };
+                q.submit(Io::read(block * 4096, b, 0)).unwrap();
+            }
+            q.unplug();
+            let c = q.wait(Some(Duration::from_secs(30))).unwrap();
+            c.result.unwrap();
+            free.push(c.bufs.into_one().unwrap());
+            let r = q.auto_report().unwrap();
+            if r.choices >= rounds && r.reason != "trials in progress" {
+                return r;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no choice within {limit:?}: {r:?}"
+            );
+        }
+    };
+    // Auto uses the request path at depth 2, its trials say it is the best candidate,
+    // and by at least `factor` over every candidate at the ring's depth.
+    let shallow_wins = |r: &vblk_driver::AutoReport, factor: f64, what: &str| {
+        assert_eq!(r.trials.len(), 4, "{r:?}");
+        assert_eq!(
+            (r.current, r.queue_depth),
+            (PathKind::Request, Some(2)),
+            "{what}: {r:?}"
+        );
+        let best = r
+            .trials
+            .iter()
+            .max_by(|a, b| a.iops.total_cmp(&b.iops))
+            .unwrap();
+        assert_eq!(best.queue_depth, Some(2), "{what}: {r:?}");
+        assert!(
+            r.trials
+                .iter()
+                .filter(|t| t.queue_depth.is_none())
+                .all(|t| t.iops * factor < best.iops),
+            "{what}: the shallow depth should be worth {factor}x: {r:?}"
+        );
+    };
+    // Sequential reads merge in the elevator: several times the IOPS.
+    let r = run(&mut q, true, 1, Duration::from_secs(30));
+    shallow_wins(&r, 3.0, "sequential");
+    // Random reads: a new workload, a new round. Switching from 32 on the ring to 2
+    // takes the disk about 0.4 s to drain, more than a slot: auto lengthens its slots
+    // until the drain is a small part of them, and still finds the shallow depth (the
+    // elevator sorts what waits: shorter seeks).
+    let r = run(&mut q, false, r.choices + 1, Duration::from_secs(60));
+    shallow_wins(&r, 1.3, "random");
+    while q.in_flight() > 0 {
+        q.wait(Some(Duration::from_secs(30))).unwrap();
     }
 }

@@ -216,11 +216,17 @@ impl Backend {
                 b.nbd = Some(Arc::new(ex));
                 Ok(b)
             }
-            DiskSpec::Hdd { size, speedup } => {
+            DiskSpec::Hdd {
+                size,
+                speedup,
+                reports_rotation,
+            } => {
                 let mut backend = open_mem(*size, opts)?;
                 backend.kind = BackendKind::Hdd;
                 backend.serial = "vblk-hdd".to_owned();
-                backend.hdd = Some(HddDisk::new(*size, *speedup, DESKTOP_7200));
+                let mut hdd = HddDisk::new(*size, *speedup, DESKTOP_7200);
+                hdd.reports_rotation = *reports_rotation;
+                backend.hdd = Some(hdd);
                 Ok(backend)
             }
         }
@@ -358,11 +364,12 @@ impl Backend {
         self.logical_block_size
     }
 
-    /// Whether the disk seeks, as far as vblk knows for sure: `hdd:` does. Files and block
-    /// devices are not assumed to: sysfs's `rotational` is 1 for most virtual disks (virtio-blk sets
-    /// no flag), whatever lies under them.
+    /// Whether the disk seeks, as far as vblk knows for sure: `hdd:` does (unless it is
+    /// `hdd:SIZE:norot`, which hides it). Files and block devices are not assumed to:
+    /// sysfs's `rotational` is 1 for most virtual disks (virtio-blk sets no flag),
+    /// whatever lies under them.
     pub fn rotational(&self) -> bool {
-        self.kind == BackendKind::Hdd
+        self.hdd.as_ref().is_some_and(|h| h.reports_rotation)
     }
 
     /// Whether writes are refused.

@@ -240,8 +240,9 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// The speed factor of `hdd:SIZE:xN` is not `x` and a number from 1 to 1000000.
-    #[error("hdd speed factor {input:?} is not xN with N from 1 to 1000000 (e.g. hdd:1G:x10)")]
+    /// A part after `hdd:SIZE:` is neither a speed factor `xN` (N from 1 to 1000000)
+    /// nor `norot`, or is given twice, or comes in another order.
+    #[error("hdd option {input:?}: expected hdd:SIZE[:xN][:norot] with N from 1 to 1000000 (e.g. hdd:1G:x10, hdd:1G:norot)")]
     BadSpeedup {
         /// The text that was given.
         input: String,

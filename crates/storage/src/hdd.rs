@@ -1,4 +1,5 @@
-//! A simulated rotational disk (`hdd:SIZE`, `hdd:SIZE:xN`): the bytes live in RAM like a
+//! A simulated rotational disk (`hdd:SIZE`, `hdd:SIZE:xN`; `:norot` hides from the
+//! driver that it is rotational, as most virtual disks do): the bytes live in RAM like a
 //! `mem:` disk's, and every request takes the time a 7200 rpm disk would take to serve it.
 //! It is there to reproduce results that only show on a slow, seeking disk, such as the
 //! guest's request path (merging and sorting) beating the bio path on sequential I/O.
@@ -140,6 +141,8 @@ pub(crate) struct HddDisk {
     params: Params,
     tracks: u64,
     speedup: u32,
+    /// Whether the device says it is rotational (`hdd:SIZE:norot`: it does not).
+    pub(crate) reports_rotation: bool,
     head: Mutex<Head>,
 }
 
@@ -149,6 +152,7 @@ impl HddDisk {
             params,
             tracks: size.div_ceil(params.track_bytes()).max(1),
             speedup: speedup.clamp(1, MAX_SPEEDUP),
+            reports_rotation: true,
             head: Mutex::new(Head {
                 end: 0,
                 busy_until: Instant::now(),

@@ -1,5 +1,5 @@
 //! The SPEC grammar that names a disk everywhere in vblk (`PATH`, `mem:SIZE`,
-//! `null:SIZE`, `hdd:SIZE[:xN]`) and the size grammar inside it (`512`, `4K`, `1GiB`, ...).
+//! `null:SIZE`, `hdd:SIZE[:xN][:norot]`) and the size grammar inside it (`512`, `4K`, `1GiB`, ...).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -15,7 +15,8 @@ pub const SECTOR_SIZE: u64 = 512;
 ///
 /// `PATH` names a regular file or a block device, `mem:SIZE` a RAM disk of SIZE
 /// bytes, `null:SIZE` a disk that reads zeroes and drops writes, `hdd:SIZE` a RAM disk
-/// with the timing of a 7200 rpm hard disk (`hdd:SIZE:xN`: N times faster), `nbd://...`
+/// with the timing of a 7200 rpm hard disk (`hdd:SIZE:xN`: N times faster; `:norot`: it
+/// does not report that it is rotational), `nbd://...`
 /// and `nbd+unix://...` an NBD export. A file whose name starts with `mem:`, `null:`,
 /// `hdd:` or `nbd` and a colon is written `./mem:...`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,31 +36,41 @@ pub enum DiskSpec {
         size: u64,
         /// Every modelled time is divided by this (1: real time; `hdd:SIZE:xN`).
         speedup: u32,
+        /// Whether the device tells its driver that the disk is rotational (false:
+        /// `hdd:SIZE:norot`, a hard disk that hides it, as most virtual disks do; the
+        /// driver's `auto` then has to find the best path by measuring).
+        reports_rotation: bool,
     },
 }
 
-/// Parses `hdd:`'s `SIZE[:xN]`.
+/// Parses `hdd:`'s `SIZE[:xN][:norot]`.
 fn parse_hdd(s: &str) -> Result<DiskSpec, Error> {
-    let (size, speedup) = match s.split_once(':') {
-        None => (s, 1),
-        Some((size, factor)) => {
-            let bad = || Error::BadSpeedup {
-                input: factor.to_owned(),
-            };
-            let n: u32 = factor
-                .strip_prefix('x')
-                .ok_or_else(bad)?
-                .parse()
-                .map_err(|_| bad())?;
-            if n == 0 || n > crate::hdd::MAX_SPEEDUP {
-                return Err(bad());
-            }
-            (size, n)
+    let mut parts = s.split(':');
+    let size = parse_size(parts.next().unwrap_or(""))?;
+    let (mut speedup, mut reports_rotation) = (None, true);
+    for part in parts {
+        let bad = || Error::BadSpeedup {
+            input: part.to_owned(),
+        };
+        if part == "norot" && reports_rotation {
+            reports_rotation = false;
+            continue;
         }
-    };
+        let n: u32 = part
+            .strip_prefix('x')
+            .filter(|_| speedup.is_none() && reports_rotation)
+            .ok_or_else(bad)?
+            .parse()
+            .map_err(|_| bad())?;
+        if n == 0 || n > crate::hdd::MAX_SPEEDUP {
+            return Err(bad());
+        }
+        speedup = Some(n);
+    }
     Ok(DiskSpec::Hdd {
-        size: parse_size(size)?,
-        speedup,
+        size,
+        speedup: speedup.unwrap_or(1),
+        reports_rotation,
     })
 }
 
@@ -109,8 +120,20 @@ impl fmt::Display for DiskSpec {
             DiskSpec::Mem(size) => write!(f, "mem:{}", format_size(*size)),
             DiskSpec::Null(size) => write!(f, "null:{}", format_size(*size)),
             DiskSpec::Nbd(spec) => write!(f, "{spec}"),
-            DiskSpec::Hdd { size, speedup: 1 } => write!(f, "hdd:{}", format_size(*size)),
-            DiskSpec::Hdd { size, speedup } => write!(f, "hdd:{}:x{speedup}", format_size(*size)),
+            DiskSpec::Hdd {
+                size,
+                speedup,
+                reports_rotation,
+            } => {
+                write!(f, "hdd:{}", format_size(*size))?;
+                if *speedup != 1 {
+                    write!(f, ":x{speedup}")?;
+                }
+                if !reports_rotation {
+                    write!(f, ":norot")?;
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -199,13 +222,32 @@ mod tests {
 
     #[test]
     fn hdd_specs() {
-        let hdd = |size, speedup| DiskSpec::Hdd { size, speedup };
+        let hdd = |size, speedup| DiskSpec::Hdd {
+            size,
+            speedup,
+            reports_rotation: true,
+        };
         assert_eq!("hdd:1G".parse::<DiskSpec>().unwrap(), hdd(1 << 30, 1));
         assert_eq!(
             "hdd:64M:x100".parse::<DiskSpec>().unwrap(),
             hdd(64 << 20, 100)
         );
-        for s in ["hdd:1G", "hdd:64M:x100", "hdd:512:x1000000", "./hdd:1G"] {
+        assert_eq!(
+            "hdd:1G:norot".parse::<DiskSpec>().unwrap(),
+            DiskSpec::Hdd {
+                size: 1 << 30,
+                speedup: 1,
+                reports_rotation: false
+            }
+        );
+        for s in [
+            "hdd:1G",
+            "hdd:64M:x100",
+            "hdd:512:x1000000",
+            "./hdd:1G",
+            "hdd:1G:norot",
+            "hdd:1G:x4:norot",
+        ] {
             assert_eq!(s.parse::<DiskSpec>().unwrap().to_string(), s);
         }
         assert_eq!(hdd(1 << 30, 1).to_string(), "hdd:1G");
@@ -215,10 +257,16 @@ mod tests {
             "a file named like a spec stays a file"
         );
         for (bad, why) in [
-            ("hdd:1G:100", "hdd speed factor \"100\" is not xN"),
-            ("hdd:1G:x0", "hdd speed factor \"x0\" is not xN"),
+            (
+                "hdd:1G:100",
+                "hdd option \"100\": expected hdd:SIZE[:xN][:norot]",
+            ),
+            ("hdd:1G:x0", "hdd option \"x0\""),
             ("hdd:1G:x1000001", "\"x1000001\""),
-            ("hdd:1G:", "hdd speed factor \"\""),
+            ("hdd:1G:", "hdd option \"\""),
+            ("hdd:1G:x2:x3", "hdd option \"x3\""),
+            ("hdd:1G:norot:x2", "hdd option \"x2\""),
+            ("hdd:1G:norot:norot", "hdd option \"norot\""),
             ("hdd:1000", "size 1000 is not a multiple of 512"),
             ("hdd:", "empty size"),
         ] {

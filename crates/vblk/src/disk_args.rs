@@ -36,7 +36,8 @@ pub struct DiskArgs {
     /// mem:1G), a null disk (null:SIZE: reads return zeroes, writes are dropped), a
     /// simulated 7200 rpm hard disk (hdd:SIZE: a RAM disk whose requests take the time a
     /// real disk's would, one at a time in arrival order: command overhead, seek by
-    /// distance, rotational latency, media rate; hdd:SIZE:xN runs N times faster), or an
+    /// distance, rotational latency, media rate; hdd:SIZE:xN runs N times faster;
+    /// hdd:SIZE:norot does not report that it is rotational, as most virtual disks), or an
     /// export on an NBD server (`nbd://HOST[:PORT]/EXPORT`, `nbd+unix:///EXPORT?socket=PATH`).
     /// SIZE takes K, M, G, T suffixes (powers of 1024) and must be a multiple of 512.
     #[arg(long, value_name = "SPEC")]

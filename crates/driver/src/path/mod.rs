@@ -13,8 +13,9 @@
 //! - [`PathKind::Passthru`]: raw virtio-blk commands through a submission/completion ring
 //!   pair with polled completions; a different API ([`crate::Passthru`]). Through
 //!   [`crate::Queue`]'s own API it behaves as `bio`.
-//! - [`PathKind::Auto`]: the driver picks among bio, batch and request per disk from what
-//!   the device reports and what it measures ([`crate::AutoReport`] says what it chose).
+//! - [`PathKind::Auto`]: the driver picks among bio, batch and request (at the configured
+//!   depth or a shallow one) per disk from what the device reports and what it measures
+//!   ([`crate::AutoReport`] says what it chose).
 //!
 //! Every path keeps the same promises: each I/O completes exactly once, flushes are not
 //! overtaken by I/O submitted after them, and FUA writes complete only once durable.

@@ -188,9 +188,11 @@ fn data_round_trips_and_completions_come_on_the_notify_fd() {
         "hdd:64M:x10".parse::<DiskSpec>().unwrap(),
         DiskSpec::Hdd {
             size: 64 << 20,
-            speedup: 10
+            speedup: 10,
+            reports_rotation: true,
         }
     );
+    assert!(b.rotational());
     let mut e = b.engine(EngineKind::IoUring, 8).unwrap();
     assert_eq!(
         e.name(),
