@@ -78,13 +78,16 @@ qsd() { # NAME BLOCKDEV [iothread]
 
 sock() { local v="PID_${1//-/_}"; echo "$D/$1.sock@${!v}"; }
 
+# With JSON_OUT=DIR (bench/all.sh sets it), each table's raw JSON goes to DIR/ID.json
+# (bench/lib/record.sh) instead of the text table.
+. bench/lib/record.sh
+
 bench() { # TITLE ARGS... (compare key last)
   local title=$1; shift
-  echo
-  echo "== $title (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
-  echo "\$ vblk bench $*"
-  taskset -c 0 "$V" --log-level warn bench --name "${title%% *}" --bs=4k --rw=randread \
-    --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g --repeat "$REPEAT" "$@"
+  local id=${title%%:*}
+  record "$id" "${title#*: }" taskset -c 0 "$V" --log-level warn bench --name "$id" --bs=4k \
+    --rw=randread --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g \
+    --repeat "$REPEAT" "$@"
 }
 
 want() { [[ " $TABLES " == *" $1 "* ]]; }
@@ -120,11 +123,10 @@ if want file-qd1 || want file-qd32 || want file-baseline; then
   want file-qd32 && bench "file-qd32: O_DIRECT file, QD32" --iodepth=32 --compare "$FILES"
   stop_all
   if want file-baseline; then
-    echo
-    echo "== file-baseline: the same file and job with no virtio (io_uring on the file), QD32 (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
     # Not under taskset: the benchmark pins its job thread and the embedded device's
     # worker to separate CPUs itself (under taskset -c 0 both would share CPU 0).
-    "$V" --log-level warn bench --name baseline --bs=4k --rw=randread --iodepth=32 \
+    record file-baseline "the same file and job with no virtio (io_uring on the file), QD32" \
+      "$V" --log-level warn bench --name baseline --bs=4k --rw=randread --iodepth=32 \
       --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g --repeat "$REPEAT" \
       --disk "$IMG" --cache none --compare target=embedded,baseline
   fi

@@ -9,6 +9,9 @@
 #
 #   bash bench/nbd.sh [REPEAT] [RUNTIME_S]
 #
+# With JSON_OUT=DIR (bench/all.sh sets it), each table's raw JSON goes to DIR/ID.json
+# (bench/lib/record.sh) instead of the text table.
+#
 # Needs nbdkit (Debian: nbdkit), qemu-storage-daemon (qemu-system-common), taskset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,16 +44,17 @@ taskset -c 1 qemu-storage-daemon \
 pids+=($!); QPID=$!
 wait_sock "$D/vblk.sock"; wait_sock "$D/vblk0.sock"; wait_sock "$D/qsd.sock"
 
+. bench/lib/record.sh
 for rw in randread randwrite; do
   for qd in 1 32; do
-    echo "== nbdkit memory, 4 KiB $rw, QD$qd (vblk serve, vblk serve --poll-us 0, qemu-storage-daemon)"
-    taskset -c 0 "$V" --log-level warn bench --name "nbd-$rw-qd$qd" --rw="$rw" --bs=4k --iodepth="$qd" \
+    record "nbd-$rw-qd$qd" "nbdkit memory export, 4 KiB $rw, QD$qd (vblk serve, vblk serve --poll-us 0, qemu-storage-daemon)" \
+      taskset -c 0 "$V" --log-level warn bench --name "nbd-$rw-qd$qd" --rw="$rw" --bs=4k --iodepth="$qd" \
       --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g \
       --compare "socket=$D/vblk.sock@$VPID,$D/vblk0.sock@$V0PID,$D/qsd.sock@$QPID" --repeat "$REPEAT"
   done
 done
 for rw in randread randwrite; do
-  echo "== nbdkit memory, 4 KiB $rw, our NBD client alone (--baseline, no virtio), QD1 and QD32"
-  taskset -c 0 "$V" --log-level warn bench --disk "$URI" --baseline --rw="$rw" --bs=4k \
+  record "nbd-baseline-$rw" "nbdkit memory export, 4 KiB $rw, our NBD client alone (--baseline, no virtio), QD1 and QD32" \
+    taskset -c 0 "$V" --log-level warn bench --name "nbd-baseline-$rw" --disk "$URI" --baseline --rw="$rw" --bs=4k \
     --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g --compare iodepth=1,32 --repeat "$REPEAT"
 done

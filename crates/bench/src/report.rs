@@ -189,6 +189,7 @@ fn cpu_json(c: &Cpu, ios: u64, runtime: Duration) -> Value {
         "usr_sec": c.user.as_secs_f64(),
         "sys_sec": c.system.as_secs_f64(),
         "ctx": c.ctx_voluntary + c.ctx_involuntary,
+        "ctx_voluntary": c.ctx_voluntary,
         "iops_per_cpu_sec": if total > 0.0 { ios as f64 / total } else { 0.0 },
     })
 }

@@ -300,7 +300,8 @@ impl DeviceConfig {
     }
 }
 
-/// The submit batch for a cache mode, by measurement (BENCHMARKS.md, "Submission batch").
+/// The submit batch for a cache mode, by measurement (BENCHMARKS.md, "Engines, and the
+/// io_uring submission batch").
 /// With O_DIRECT an io_uring submission dispatches each read to the disk inside
 /// `io_uring_enter`, so a large batch makes its last reads wait for the whole batch: 4 per
 /// call. Through the page cache reads complete inside the call, and extra calls only cost:

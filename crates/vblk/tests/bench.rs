@@ -287,3 +287,104 @@ fn bad_job_file_names_the_line() {
     assert!(err.contains("bad.fio: line 4:"), "{err}");
     assert!(err.contains("sideways"), "{err}");
 }
+
+/// BENCHMARKS.md is written by bench/render.py from the JSON `vblk bench` keeps: the figures
+/// it prints are the JSON's, rows of repeated variants show their spread, one run says so,
+/// and a goal whose table this run did not measure says that rather than a figure.
+#[test]
+fn benchmarks_md_is_rendered_from_the_runs_json() {
+    let dir = temp_dir("render");
+    let json = |args: &[&str]| {
+        let mut all = vec![
+            "--rw=randread",
+            "--bs=4k",
+            "--iodepth=8",
+            "--size=8m",
+            "--runtime=300ms",
+            "--time_based",
+        ];
+        all.extend_from_slice(args);
+        bench_json(&all)
+    };
+    let tables = [
+        (
+            "paths-null-qd32",
+            json(&[
+                "--disk",
+                "null:1G",
+                "--compare",
+                "path=bio,batch,passthru",
+                "--repeat",
+                "2",
+            ]),
+        ),
+        (
+            "baseline-mem-qd1",
+            json(&["--compare", "target=embedded,baseline"]),
+        ),
+    ];
+    let mut manifest = String::new();
+    for (id, v) in &tables {
+        std::fs::write(dir.path().join(format!("{id}.json")), v.to_string()).unwrap();
+        manifest += &format!("{id}\ttitle of {id}\t0.10 0.20 0.30\tvblk bench {id} args\n");
+    }
+    std::fs::write(dir.path().join("manifest.tsv"), manifest).unwrap();
+    std::fs::write(
+        dir.path().join("machine.txt"),
+        "mode: quick (test)\ncommand: bash bench/all.sh quick\ncommit: abc1234\n",
+    )
+    .unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/render.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(dir.path())
+        .output()
+        .expect("python3 is needed to render BENCHMARKS.md");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let md = String::from_utf8(out.stdout).unwrap();
+    assert!(md.contains("**paths-null-qd32: title of paths-null-qd32** (load average at its start: 0.10 0.20 0.30)"), "{md}");
+    assert!(md.contains("vblk bench paths-null-qd32 args"), "{md}");
+    // The bio row's IOPS: the JSON's mean, with its spread over the two runs.
+    let bio = &tables[0].1[0]["variants"][0];
+    assert_eq!(bio["variant"], "path=bio");
+    let iops = bio["iops_mean"].as_f64().unwrap();
+    let shown = if iops >= 1e6 {
+        format!("{:.3} M", iops / 1e6)
+    } else {
+        format!("{:.3} k", iops / 1e3)
+    };
+    let row = md
+        .lines()
+        .find(|l| l.starts_with("| path=bio |"))
+        .expect(&md);
+    let cell = row.split('|').nth(2).unwrap().trim();
+    let figure: f64 = cell.split_whitespace().next().unwrap().parse().unwrap();
+    let expected: f64 = shown.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(
+        (figure - expected).abs() / expected < 0.01 && cell.contains('±'),
+        "{row} vs {iops}"
+    );
+    let one = md
+        .lines()
+        .find(|l| l.starts_with("| target=embedded |"))
+        .expect(&md);
+    assert!(one.contains("(1 run)") && !one.contains('±'), "{one}");
+    // The headline: computed where this run has the table, "not measured" where not.
+    let head = md
+        .lines()
+        .find(|l| l.starts_with("| null disk QD32 embedded: bio / batch / passthru"))
+        .expect(&md);
+    assert!(!head.contains("not measured"), "{head}");
+    let head = md
+        .lines()
+        .find(|l| l.starts_with("| null disk QD32, `vblk serve` vs qsd"))
+        .expect(&md);
+    assert!(
+        head.contains("not measured in this run (null-qd32)"),
+        "{head}"
+    );
+}

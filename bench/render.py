@@ -1,0 +1,408 @@
+#!/usr/bin/env python3
+"""Write BENCHMARKS.md (to stdout) from one run of bench/all.sh: its OUT_DIR holds
+machine.txt, manifest.tsv (id, title, load average at the table's start, command), one
+`vblk bench --output-format json` file per table, and for full runs sharing.txt and
+qos.txt. Every figure printed here is computed from those files; the headline table too.
+
+    python3 bench/render.py OUT_DIR > BENCHMARKS.md
+"""
+import json
+import os
+import re
+import sys
+
+# The document's sections: title, what they measure (no figures: those come from the
+# run), and the tables (ids in manifest.tsv) in order.
+SECTIONS = [
+    (
+        "I/O paths of the driver (embedded device)",
+        "The driver's paths on the device embedded in the benchmark's process (one worker "
+        "thread on its own CPU): bio sends each I/O to the ring and notifies, batch "
+        "notifies once per batch, request plugs, merges and dispatches through an "
+        "elevator, passthru hands the ring to the caller (polled completions).",
+        ["paths-mem-qd32", "paths-mem-write", "paths-null-qd32"],
+    ),
+    (
+        "Embedded device vs `--baseline` (the same job with no virtio in between)",
+        "`--baseline` runs the job's I/O straight on the disk through the same engine, "
+        "with no ring, no device thread and no notifications: what virtio costs.",
+        ["baseline-mem-qd32", "baseline-mem-qd1", "baseline-file-qd32", "baseline-file-qd1"],
+    ),
+    (
+        "The device's polling window",
+        "`poll_us` is how long the device spins on its rings after the last request "
+        "before it sleeps (0: never spins; the default adapts up to 200 µs and polls only "
+        "while that pays, docs/design-notes.md).",
+        ["poll-null-qd32", "poll-mem-qd1", "poll-mem-qd32"],
+    ),
+    (
+        "Engines, and the io_uring submission batch",
+        "The device's engines on a 1 GiB file of random data with O_DIRECT (`--cache "
+        "none`), and how many requests it hands io_uring per submit call (0: auto).",
+        ["engines-qd32", "engines-qd1", "engine-threads", "submit-batch-direct",
+         "submit-batch-cached"],
+    ),
+    (
+        "`vblk serve` vs qemu-storage-daemon (bench/devices.sh)",
+        "The same driver (`vblk bench`, pinned to CPU 0) against each device (pinned to "
+        "CPU 1), side by side in one `--compare` per table. vblk: its defaults; "
+        "vblk-poll0: `--poll-us 0`; vblk-aio: `--engine aio`; qsd: the export in the main "
+        "loop; qsd-iothread: in an IOThread (QEMU polls there, poll-max-ns 32 µs); "
+        "qsd-native, qsd-io_uring, qsd-threads: its `aio=` modes. Device CPU is the "
+        "whole device process's, from /proc in 10 ms ticks.",
+        ["null-qd1", "null-qd32", "null-100k", "null-500k", "idle", "file-qd1", "file-qd32",
+         "file-baseline"],
+    ),
+    (
+        "NBD disks: `vblk serve` vs qemu-storage-daemon on one nbdkit export (bench/nbd.sh)",
+        "Both devices serve the same nbdkit `memory` export over a Unix socket (devices on "
+        "CPU 1, the benchmark on CPU 0, nbdkit where the scheduler puts it). vblk: its "
+        "defaults; vblk0: `--poll-us 0` (nbdkit needs the CPU a polling worker would "
+        "take); qsd: its NBD client in the main loop. The baseline tables are vblk's NBD "
+        "client alone, no virtio: what nbdkit itself gives.",
+        ["nbd-randread-qd1", "nbd-randread-qd32", "nbd-randwrite-qd1", "nbd-randwrite-qd32",
+         "nbd-baseline-randread", "nbd-baseline-randwrite"],
+    ),
+    (
+        "Simulated 7200 rpm disk (S4), with and without its rotational hint",
+        "`hdd:1G` serves one request at a time in arrival order, timed by the model in "
+        "crates/storage/src/hdd.rs, and tells the driver it is rotational: `auto` then "
+        "takes the request path at depth 2 without trials. `hdd:1G:norot` hides that, "
+        "as most virtual disks over a hard disk do: `auto` has to find it by measuring. "
+        "The model is deterministic: one run per variant. The norot tables' ramp covers "
+        "auto's first choice (about 1 s sequential, 12 s random).",
+        ["hdd-read", "hdd-write", "hdd-randread", "hdd-randwrite", "norot-read", "norot-write",
+         "norot-randread", "norot-randwrite"],
+    ),
+]
+
+
+def read_manifest(d):
+    rows = {}
+    order = []
+    with open(os.path.join(d, "manifest.tsv")) as f:
+        for line in f:
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) != 4:
+                continue
+            tid, title, load, cmd = parts
+            rows[tid] = {"title": title, "load": load, "cmd": cmd}
+            order.append(tid)
+    return rows, order
+
+
+def load_tables(d, manifest):
+    tables = {}
+    for tid in manifest:
+        p = os.path.join(d, tid + ".json")
+        try:
+            with open(p) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            sys.exit(f"render.py: {p}: {e}")
+        variants = data[0]["variants"] if data else []
+        tables[tid] = variants
+    return tables
+
+
+def label(v):
+    """socket=/tmp/x/NAME.sock@PID -> NAME; other variants as given."""
+    m = re.fullmatch(r"socket=.*/([^/]+)\.sock@\d+", v)
+    return m.group(1) if m else v
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def ios_of(run):
+    agg = run["vblk"]["aggregate"]
+    return agg["read"]["total_ios"] + agg["write"]["total_ios"]
+
+
+def pct(run, p):
+    agg = run["vblk"]["aggregate"]
+    side = agg["read"] if agg["read"]["total_ios"] else agg["write"]
+    return side["clat_ns"].get("percentile", {}).get(f"{p:.6f}")
+
+
+def per_io_us(side):
+    ips = (side or {}).get("iops_per_cpu_sec") or 0
+    return 1e6 / ips if ips else None
+
+
+def wakeups(run):
+    dev = run["vblk"].get("device")
+    ios = ios_of(run)
+    if not dev or not ios:
+        return None
+    return dev.get("ctx_voluntary", dev.get("ctx", 0)) / ios
+
+
+class V:
+    """One variant's figures, means over its runs."""
+
+    def __init__(self, v):
+        runs = v["runs"]
+        self.name = label(v["variant"])
+        self.iops = v["iops_mean"]
+        self.sd = v["iops_stddev"]
+        self.n = len(runs)
+        self.ratio = v["ratio"]
+        self.mibs = mean([r["vblk"]["bw_bytes"] / 2**20 for r in runs])
+        self.p50 = mean([pct(r, 50) for r in runs])
+        self.p99 = mean([pct(r, 99) for r in runs])
+        self.drv = mean([per_io_us(r["vblk"]["driver"]) for r in runs])
+        self.dev = mean([per_io_us(r["vblk"].get("device")) for r in runs])
+        self.wake = mean([wakeups(r) for r in runs])
+        share = v.get("device_cpu_share")
+        self.dev_cpu = share * 100 if share is not None else None
+        self.auto = None
+        for n in runs[-1]["vblk"].get("notes", []):
+            if n.startswith("auto: "):
+                self.auto = n[len("auto: "):].split(" (")[0]
+
+
+def human(x):
+    if x is None:
+        return "–"
+    for unit, div in (("M", 1e6), ("k", 1e3)):
+        if x >= div:
+            v = x / div
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{x:.0f}"
+
+
+def num(x, fmt="{:.2f}"):
+    return "–" if x is None else fmt.format(x)
+
+
+def us(ns):
+    return "–" if ns is None else f"{ns / 1e3:.1f}"
+
+
+def render_table(tid, meta, variants):
+    vs = [V(v) for v in variants]
+    out = [f"**{tid}: {meta['title']}** (load average at its start: {meta['load']})", ""]
+    out += ["```", meta["cmd"], "```", ""]
+    has_auto = any(v.auto for v in vs)
+    head = ("| variant | IOPS | ratio | MiB/s | p50 µs | p99 µs | driver µs CPU/IO | "
+            "device µs CPU/IO | device wake-ups/IO | device CPU |")
+    sep = "|---|---|---|---|---|---|---|---|---|---|"
+    if has_auto:
+        head += " auto chose |"
+        sep += "---|"
+    out += [head, sep]
+    for v in vs:
+        spread = f" ± {human(v.sd)}" if v.n > 1 else " (1 run)"
+        row = (f"| {v.name} | {human(v.iops)}{spread} | {v.ratio:.2f} | {num(v.mibs, '{:.1f}')} | "
+               f"{us(v.p50)} | {us(v.p99)} | {num(v.drv)} | {num(v.dev)} | "
+               f"{num(v.wake)} | {num(v.dev_cpu, '{:.1f} %')} |")
+        if has_auto:
+            row += f" {v.auto or ''} |"
+        out.append(row)
+    out.append("")
+    return out
+
+
+def find(tables, tid, name):
+    for v in tables.get(tid, []):
+        if label(v["variant"]) == name:
+            return V(v)
+    return None
+
+
+def goal_rows(tables):
+    """The headline: issue 23's goals, each computed from this run's tables."""
+    rows = []
+
+    def row(measure, figure, ratio, goal, met):
+        rows.append((measure, figure, ratio, goal, met))
+
+    def missing(measure, goal, tids):
+        row(measure, f"not measured in this run ({', '.join(tids)})", "–", goal, "–")
+
+    n32 = [find(tables, "null-qd32", x) for x in ("vblk", "qsd", "qsd-iothread")]
+    if all(n32):
+        v, q, qi = n32
+        r = v.iops / max(q.iops, qi.iops)
+        row("null disk QD32, `vblk serve` vs qsd (no IOThread / IOThread)",
+            f"{human(v.iops)} vs {human(q.iops)} / {human(qi.iops)}", f"{r:.2f}×", "≥ 2.5×",
+            r >= 2.5)
+    else:
+        missing("null disk QD32, `vblk serve` vs qsd", "≥ 2.5×", ["null-qd32"])
+    n1 = [find(tables, "null-qd1", x) for x in ("vblk", "qsd", "vblk-poll0")]
+    if all(n1):
+        v, q, p0 = n1
+        r = v.iops / q.iops
+        row("null disk QD1, `vblk serve` vs qsd's main loop", f"{human(v.iops)} vs {human(q.iops)}",
+            f"{r:.2f}×", "≥ 3×", r >= 3)
+        r0 = p0.iops / q.iops
+        dev0 = p0.dev
+        row("null disk QD1, `--poll-us 0` vs qsd's main loop (no polling either), and device "
+            "µs CPU per I/O", f"{human(p0.iops)} vs {human(q.iops)}; {num(dev0)} vs {num(q.dev)} µs",
+            f"{r0:.2f}×", "≥ 1× at no more CPU per I/O",
+            r0 >= 1 and dev0 is not None and q.dev is not None and dev0 <= q.dev)
+    else:
+        missing("null disk QD1, `vblk serve` vs qsd", "≥ 3×", ["null-qd1"])
+    p = [find(tables, "paths-null-qd32", x) for x in ("path=bio", "path=batch", "path=passthru")]
+    if all(p):
+        b, ba, pt = p
+        row("null disk QD32 embedded: bio / batch / passthru",
+            f"{human(b.iops)} / {human(ba.iops)} / {human(pt.iops)}", "–",
+            "≥ 5 M bio, ≥ 8 M passthru", b.iops >= 5e6 and pt.iops >= 8e6)
+    else:
+        missing("null disk QD32 embedded: bio / batch / passthru", "≥ 5 M / ≥ 8 M",
+                ["paths-null-qd32"])
+    for tid, goal in (("baseline-mem-qd32", 0.95), ("baseline-mem-qd1", 0.75),
+                      ("baseline-file-qd32", 0.95)):
+        e, b = find(tables, tid, "target=embedded"), find(tables, tid, "target=baseline")
+        what = tid.replace("baseline-", "").replace("mem", "RAM disk").replace(
+            "file", "O_DIRECT file").replace("-qd", " QD")
+        if e and b:
+            r = e.iops / b.iops
+            row(f"{what}, embedded vs `--baseline`", f"{human(e.iops)} vs {human(b.iops)}",
+                f"{r:.2f}", f"≥ {goal}", r >= goal)
+        else:
+            missing(f"{what}, embedded vs `--baseline`", f"≥ {goal}", [tid])
+    f32 = tables.get("file-qd32", [])
+    v = find(tables, "file-qd32", "vblk")
+    qs = [V(x) for x in f32 if label(x["variant"]).startswith("qsd")]
+    if v and qs:
+        q = max(qs, key=lambda x: x.iops)
+        r = v.iops / q.iops
+        row(f"O_DIRECT file QD32, `vblk serve` vs qsd's fastest mode ({q.name}); p99",
+            f"{human(v.iops)} vs {human(q.iops)}; p99 {us(v.p99)} vs {us(q.p99)} µs",
+            f"{r:.2f}×", "≥ 1.0×, p99 ≤ qsd's",
+            r >= 1.0 and v.p99 is not None and q.p99 is not None and v.p99 <= q.p99)
+    else:
+        missing("O_DIRECT file QD32, `vblk serve` vs qsd", "≥ 1.0×", ["file-qd32"])
+    for tid, rate in (("null-100k", "100 k"), ("null-500k", "500 k")):
+        v, p0, q = (find(tables, tid, x) for x in ("vblk", "vblk-poll0", "qsd"))
+        if v and p0 and q and v.dev and q.dev:
+            r = v.dev / q.dev
+            ok = r <= 0.5
+            extra = ""
+            if p0.dev:
+                extra = f"; `--poll-us 0` {num(p0.dev)} µs, p50 {us(v.p50)} vs {us(p0.p50)} µs"
+                # Above --poll-us 0's CPU only if it buys a median ≥ 30 % lower.
+                if v.dev > p0.dev and not (v.p50 and p0.p50 and v.p50 <= 0.7 * p0.p50):
+                    ok = False
+            row(f"null disk, {rate} IOPS offered at QD32: device µs CPU per I/O, default vs qsd",
+                f"{num(v.dev)} vs {num(q.dev)} µs{extra}", f"{r:.2f}",
+                "≤ 0.5; above `--poll-us 0` only for a ≥ 30 % lower median", ok)
+        else:
+            missing(f"null disk, {rate} IOPS offered: device CPU per I/O", "≤ 0.5", [tid])
+    worst = None
+    seen = []
+    for tid in ("norot-read", "norot-write", "norot-randread", "norot-randwrite"):
+        vs = [V(x) for x in tables.get(tid, [])]
+        auto = [x for x in vs if x.name == "path=auto"]
+        others = [x for x in vs if x.name != "path=auto"]
+        if auto and others:
+            frac = auto[0].iops / max(o.iops for o in others)
+            seen.append(f"{tid.split('-')[1]} {frac:.2f}")
+            worst = frac if worst is None else min(worst, frac)
+    if worst is not None:
+        row("`auto` on `hdd:1G:norot` (no rotational hint): auto / best of bio, batch, request "
+            "at any depth", ", ".join(seen), f"{worst:.2f}", "≥ 0.95", worst >= 0.95)
+    else:
+        missing("`auto` on `hdd:1G:norot`", "≥ 0.95", ["norot-*"])
+    return rows
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit("usage: python3 bench/render.py OUT_DIR > BENCHMARKS.md")
+    d = sys.argv[1].rstrip("/")
+    with open(os.path.join(d, "machine.txt")) as f:
+        machine = f.read().strip().splitlines()
+    manifest, order = read_manifest(d)
+    tables = load_tables(d, order)
+    info = dict(line.split(": ", 1) for line in machine if ": " in line)
+    out = ["# vblk benchmarks", ""]
+    out += [
+        "<!-- Generated by bench/render.py from one run of bench/all.sh; do not edit. "
+        "Regenerate: bash bench/all.sh full -->",
+        "",
+        f"Every figure on this page comes from **one run** of `{info.get('command', '?')}` "
+        f"({info.get('mode', '?')}), at commit {info.get('commit', '?')}, started "
+        f"{info.get('started', '?')}, {info.get('finished', 'unfinished')}. The raw JSON of "
+        f"every table is in `{d}/`; this page is written from it by `bench/render.py`, "
+        "tables and headline alike, and never edited by hand.",
+        "",
+        "Machine and its state:",
+        "",
+    ]
+    out += [f"- {line}" for line in machine]
+    out += [
+        "",
+        "How to read the tables: every table is one `vblk bench --compare` invocation, its "
+        "variants run side by side (with repeats, they take turns, so drift falls on all "
+        "alike). IOPS is the mean ± the standard deviation over the repeats, or \"(1 run)\". "
+        "Ratio is to the table's first variant. Latency is completion latency (p50, p99, "
+        "means over the repeats). CPU per I/O is the driver's (the job threads) and the "
+        "device's (its worker threads, or the whole device process for an external "
+        "device) CPU time divided by the I/Os completed; wake-ups per I/O are the device's "
+        "voluntary context switches per I/O (less host-dependent than CPU time); device "
+        "CPU is its CPU time per second of the window, in % of one CPU. Unless a table says "
+        "otherwise: 4 KiB random reads after a 1 s ramp. Absolute figures belong to this "
+        "machine at that hour (a shared 2-vCPU VM: the same job drifts by tens of per cent "
+        "over minutes); compare within a table.",
+        "",
+        "## Where we stand against the goals (issue 23), from this run",
+        "",
+        "| measure | this run | ratio | goal | met |",
+        "|---|---|---|---|---|",
+    ]
+    for measure, figure, ratio, goal, met in goal_rows(tables):
+        mark = met if isinstance(met, str) else ("yes" if met else "**no**")
+        out.append(f"| {measure} | {figure} | {ratio} | {goal} | {mark} |")
+    out.append("")
+    placed = set()
+    for title, intro, ids in SECTIONS:
+        present = [t for t in ids if t in tables]
+        if not present:
+            continue
+        out += [f"## {title}", "", intro, ""]
+        for tid in present:
+            out += render_table(tid, manifest[tid], tables[tid])
+            placed.add(tid)
+    rest = [t for t in order if t not in placed]
+    if rest:
+        out += ["## Other tables", ""]
+        for tid in rest:
+            out += render_table(tid, manifest[tid], tables[tid])
+    for name, title, script in (
+        ("sharing.txt", "Many disks, one daemon", "bench/sharing.sh 10"),
+        ("qos.txt", "QoS accuracy", "bench/qos.sh 10"),
+    ):
+        p = os.path.join(d, name)
+        if os.path.exists(p):
+            with open(p) as f:
+                text = f.read().rstrip()
+            out += [f"## {title}", "", f"The output of `bash {script}` in this run, as printed "
+                    f"(raw JSON in `{d}/{name.split('.')[0]}-json/`):", "", "```", text, "```", ""]
+    out += [
+        "## What is not on this page",
+        "",
+        "A/B comparisons between commits (`bench/device-ab.sh REV_A REV_B`, "
+        "`bench/driver-ab.sh`) and the seed experiments (docs/experiments.md, "
+        "bench/experiments/) are runs of their own: their output is kept under bench/results/ "
+        "as the scripts printed it, and the design notes cite them there. The A/B runs kept:",
+        "",
+    ]
+    root = os.path.dirname(os.path.abspath(d))
+    for sub in sorted(os.listdir(root)):
+        full = os.path.join(root, sub)
+        if not os.path.isdir(full):
+            continue
+        for name in sorted(os.listdir(full)):
+            if name.startswith(("device-ab", "driver-ab")) and name.endswith(".txt"):
+                out.append(f"- `bench/results/{sub}/{name}`")
+    out.append("")
+    print("\n".join(out))
+
+
+main()
