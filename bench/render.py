@@ -198,7 +198,7 @@ def render_table(tid, meta, variants):
         spread = f" ± {human(v.sd)}" if v.n > 1 else " (1 run)"
         row = (f"| {v.name} | {human(v.iops)}{spread} | {v.ratio:.2f} | {num(v.mibs, '{:.1f}')} | "
                f"{us(v.p50)} | {us(v.p99)} | {num(v.drv)} | {num(v.dev)} | "
-               f"{num(v.wake)} | {num(v.dev_cpu, '{:.1f} %')} |")
+               f"{num(v.wake, '{:.3g}')} | {num(v.dev_cpu, '{:.1f} %')} |")
         if has_auto:
             row += f" {v.auto or ''} |"
         out.append(row)

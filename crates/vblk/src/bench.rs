@@ -36,6 +36,10 @@ pub struct BenchArgs {
     /// fio job files to run (in order).
     #[arg(value_name = "JOBFILE")]
     pub job_files: Vec<PathBuf>,
+    /// Run only the job files' sections of this name, as fio's --section (repeatable):
+    /// `vblk bench bench/jobs/matrix-16.fio --section write-iops --section rw-iops`.
+    #[arg(long = "section", value_name = "NAME")]
+    pub sections: Vec<String>,
 
     /// Job name (for flag-defined jobs).
     #[arg(long)]
@@ -316,6 +320,22 @@ impl TryFrom<&BenchArgs> for Plan {
                 return Err(format!("{}: no job sections", f.display()));
             }
             jobs.extend(parsed);
+        }
+        if !a.sections.is_empty() {
+            for want in &a.sections {
+                if !jobs.iter().any(|j| &j.name == want) {
+                    let have: Vec<&str> = jobs.iter().map(|j| j.name.as_str()).collect();
+                    return Err(format!(
+                        "--section {want}: no such job section in the job files (they have: {})",
+                        if have.is_empty() {
+                            "none; --section needs a job file".to_string()
+                        } else {
+                            have.join(", ")
+                        }
+                    ));
+                }
+            }
+            jobs.retain(|j| a.sections.contains(&j.name));
         }
         let flags = a.job_flags();
         if jobs.is_empty() {

@@ -388,3 +388,45 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
         "{head}"
     );
 }
+
+/// `--section` runs only the named sections of a job file, as fio's does; a name the files
+/// do not have is refused, naming the sections they do have.
+#[test]
+fn section_picks_jobs_from_a_job_file() {
+    let dir = temp_dir("bench");
+    let file = write_job(
+        dir.path(),
+        "matrix-16.fio",
+        include_str!("../../../bench/jobs/matrix-16.fio"),
+    );
+    let file = file.to_str().unwrap();
+    let v = bench_json(&[
+        file,
+        "--section",
+        "write-iops",
+        "--section",
+        "rw-iops",
+        "--numjobs=1",
+        "--size=8m",
+        "--runtime=200ms",
+        "--ramp_time=0",
+    ]);
+    let names: Vec<&str> = v["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["jobname"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["write-iops", "rw-iops"], "{v}");
+    let out = vblk()
+        .args(["bench", file, "--section", "nope"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--section nope: no such job section")
+            && err.contains("read-iops, write-iops"),
+        "{err}"
+    );
+}
