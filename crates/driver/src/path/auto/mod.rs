@@ -32,12 +32,15 @@
 //!    at once it loses, and is not chosen. A slot is measured from the moment its
 //!    candidate has *settled* on the queue: after a switch from a deep ring to the
 //!    shallow depth, the requests beyond it have to complete first, which on a slow disk
-//!    takes longer than a slot (32 random reads on a 7200 rpm disk: 0.4 s). A round in
-//!    which that took more than half a slot is not decided but run again at once, with
-//!    slots three times the longest settling (up to [`SLOT_MAX`]); slots of
-//!    [`LONG_SLOT`] or more make a round of one pass (eight slots), and a round is
-//!    repeated no more often than every [`RECHECK_ROUNDS`] round lengths, so that trials
-//!    keep a slow disk off its best path for at most a ninth of its time.
+//!    takes longer than a slot (32 random reads on a 7200 rpm disk: 0.4 s). The disk's
+//!    IOPS in a slot is the sum of its queues' rates, each over the time it measured. A
+//!    queue that saw a settling take more than half a slot starts the round again at once,
+//!    with slots three times that long (up to [`SLOT_MAX`]); a settling counts only if
+//!    the queue took the completions as they came (a thread that was off its CPU reaps
+//!    them in bulk, and its clock says nothing about the disk). Slots of [`LONG_SLOT`]
+//!    or more make a round of one pass (eight slots), and after such a round the next one
+//!    (for a changed workload or a recheck) waits [`RECHECK_ROUNDS`] round lengths, so
+//!    that trials keep a slow disk off its best path for at most a ninth of its time.
 //!
 //!    Why per disk and in lockstep: with more submitting threads than CPUs (the 16-job
 //!    matrix on 2 CPUs), a trial on one queue mostly measures how much CPU the scheduler
@@ -344,10 +347,10 @@ impl Auto {
         }
         self.mode = to.path;
         self.shallow = to.shallow;
-        self.request.opts.queue_depth = if to.shallow {
-            ROTATIONAL_DEPTH
-        } else {
-            self.depth
+        self.request.opts.queue_depth = match (to.shallow, self.depth) {
+            (true, 0) => ROTATIONAL_DEPTH,
+            (true, d) => d.min(ROTATIONAL_DEPTH),
+            (false, d) => d,
         };
         if to.path == PathKind::Request {
             // A deeper dispatch than before: what waits in the elevator may go now.
@@ -431,14 +434,23 @@ impl Auto {
             Stage::Round { .. } => {
                 if !self.settled && core.requests <= self.ring_depth(core) {
                     // What the previous candidate had on the ring beyond this one's
-                    // depth has completed: the slot is measured from here.
+                    // depth has completed: the slot is measured from here. The time it
+                    // took counts only if this queue took those completions as they
+                    // came: a thread that was off its CPU reaps them in bulk, late.
                     let disk = &core.shared.auto;
+                    let drained = self.slot_ios;
                     self.settled = true;
                     self.settle_at = disk.now();
                     self.slot_ios = 0;
                     self.slot_cpu = thread_cpu_ns();
-                    if let Stage::Round { round, .. } = self.stage {
-                        disk.settled_in(round, self.settle_at.saturating_sub(self.slot_began));
+                    if let Stage::Round {
+                        round,
+                        step: Some(_),
+                    } = self.stage
+                    {
+                        if drained * 2 >= u64::from(self.excess) {
+                            disk.settled_in(round, self.settle_at.saturating_sub(self.slot_began));
+                        }
                     }
                 }
                 if self.phase_ios & 3 == 0 {
@@ -472,7 +484,9 @@ impl Auto {
         self.window = Window::default();
         self.phase_ios = 0;
         self.phase_start = Instant::now();
-        if sig.differs(&self.chosen) || disk.now() >= disk.recheck_at.load(Ordering::Relaxed) {
+        let now = disk.now();
+        let changed = sig.differs(&self.chosen) && now >= disk.quiet_until.load(Ordering::Relaxed);
+        if changed || now >= disk.recheck_at.load(Ordering::Relaxed) {
             disk.begin(SLOT);
         }
     }
@@ -497,6 +511,8 @@ impl Auto {
         };
         if joined {
             self.window = Window::default();
+            self.settled = true;
+            self.slot_ios = 0;
         }
         let now = disk.now();
         let steps = disk.steps();
@@ -553,6 +569,8 @@ impl Auto {
             [(core.shared.auto.pick.load(Ordering::Relaxed) as usize).min(CANDIDATES.len() - 1)];
         self.decided = decided;
         self.stage = Stage::Chosen;
+        self.settled = true;
+        self.slot_ios = 0;
         self.chosen = self.window.signature();
         self.window = Window::default();
         self.phase_ios = 0;

@@ -40,6 +40,17 @@ impl Tally {
             });
     }
 
+    /// Raise the tally to `x` if it is round `round`'s and below it.
+    pub(super) fn max(&self, round: u64, x: u64) {
+        let tag = Tally::tag(round);
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                (v & !TALLY_SUM == tag && v & TALLY_SUM < x.min(TALLY_SUM))
+                    .then(|| tag | x.min(TALLY_SUM))
+            });
+    }
+
     pub(super) fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed) & TALLY_SUM
     }
@@ -60,16 +71,18 @@ pub(crate) struct AutoDisk {
     pub(super) slot: AtomicU64,
     pub(super) steps: AtomicU64,
     /// Per slot of the running round, summed over the queues that measured in it: I/Os
-    /// completed, submitting threads' CPU time, and the time measured (from the moment
-    /// the slot's candidate had settled on the queue to the end of the slot, ns); and how
-    /// many queues measured.
+    /// completed, submitting threads' CPU time, and each queue's rate (its I/Os over the
+    /// time it measured, from the moment the slot's candidate had settled on it to the
+    /// end of the slot).
     pub(super) ios: [Tally; STEPS],
     pub(super) cpu_ns: [Tally; STEPS],
-    pub(super) busy_ns: [Tally; STEPS],
-    pub(super) queues: [Tally; STEPS],
+    pub(super) rate: [Tally; STEPS],
     /// The longest a queue took (or would have taken, extrapolated) in this round to
     /// settle after a switch, ns: what was on the ring beyond the new depth to complete.
-    pub(super) settle_ns: AtomicU64,
+    pub(super) settle_ns: Tally,
+    /// When a workload's change may start a round (ns after `base`): after a round of
+    /// long slots, not before [`RECHECK_ROUNDS`] round lengths have passed.
+    pub(super) quiet_until: AtomicU64,
     /// Rounds decided, and the index in [`CANDIDATES`] of the last one's choice.
     pub(super) decided: AtomicU64,
     pub(super) pick: AtomicU64,
@@ -92,9 +105,9 @@ impl AutoDisk {
             steps: AtomicU64::new(STEPS as u64),
             ios: Default::default(),
             cpu_ns: Default::default(),
-            busy_ns: Default::default(),
-            queues: Default::default(),
-            settle_ns: AtomicU64::new(0),
+            rate: Default::default(),
+            settle_ns: Tally::default(),
+            quiet_until: AtomicU64::new(0),
             decided: AtomicU64::new(0),
             pick: AtomicU64::new(0),
             recheck_at: AtomicU64::new(u64::MAX),
@@ -149,10 +162,9 @@ impl AutoDisk {
         for k in 0..STEPS {
             self.ios[k].reset(next);
             self.cpu_ns[k].reset(next);
-            self.busy_ns[k].reset(next);
-            self.queues[k].reset(next);
+            self.rate[k].reset(next);
         }
-        self.settle_ns.store(0, Ordering::Relaxed);
+        self.settle_ns.reset(next);
         let long = self.slot.load(Ordering::Relaxed) >= ns(LONG_SLOT);
         self.steps.store(
             if long { LONG_STEPS } else { STEPS } as u64,
@@ -163,31 +175,49 @@ impl AutoDisk {
     }
 
     /// A queue of round `round` completed `ios` I/Os in slot `k` over the `busy` ns it
-    /// measured, with `cpu` ns of its thread's CPU time.
+    /// measured, with `cpu` ns of its thread's CPU time. A measurement over less than a
+    /// quarter of the slot (the candidate settled late, or the queue noticed the slot's
+    /// end late) is left out: a few I/Os over a short time say little.
     pub(super) fn add(&self, round: u64, k: usize, ios: u64, cpu: u64, busy: u64) {
+        if busy < self.slot.load(Ordering::Relaxed) / 4 {
+            return;
+        }
         if self.round.load(Ordering::Acquire) == round
             && self.start.load(Ordering::Acquire) < CLAIMED
         {
             self.ios[k].add(round, ios);
             self.cpu_ns[k].add(round, cpu);
-            self.busy_ns[k].add(round, busy);
-            self.queues[k].add(round, 1);
+            self.rate[k].add(round, ios.saturating_mul(1_000_000_000) / busy.max(1));
         }
     }
 
     /// A queue of round `round` took (or would take) `need` ns to settle after a switch.
+    /// More than half a slot: the round cannot measure that candidate fairly, so it is
+    /// started again at once with slots three times as long (up to [`SLOT_MAX`]).
     pub(super) fn settled_in(&self, round: u64, need: u64) {
-        if self.round.load(Ordering::Acquire) == round {
-            self.settle_ns.fetch_max(need, Ordering::Relaxed);
+        self.settle_ns.max(round, need);
+        let slot = self.slot.load(Ordering::Relaxed);
+        if need > slot / 2 && slot < ns(SLOT_MAX) && self.round.load(Ordering::Acquire) == round {
+            let start = self.start.load(Ordering::Acquire);
+            if start < CLAIMED && self.claim(start) {
+                self.lengthen(slot, need);
+            }
         }
     }
 
-    /// The disk's IOPS in slot `k`: each measuring queue's rate over the time it
-    /// measured, summed (None: no queue measured in it).
+    /// With `start` claimed: slots long enough for a settling of `settle` ns, and a new
+    /// round at once.
+    fn lengthen(&self, slot: u64, settle: u64) {
+        let longer = (slot * 2).max(settle * 3).min(ns(SLOT_MAX));
+        self.slot.store(longer, Ordering::Relaxed);
+        self.open(Duration::ZERO);
+    }
+
+    /// The disk's IOPS in slot `k`: the measuring queues' rates, summed (None: no queue
+    /// measured in it).
     pub(super) fn slot_iops(&self, k: usize) -> Option<f64> {
-        let (busy, queues) = (self.busy_ns[k].get(), self.queues[k].get());
-        (busy > 0 && queues > 0)
-            .then(|| self.ios[k].get() as f64 * queues as f64 / (busy as f64 / 1e9))
+        let rate = self.rate[k].get();
+        (rate > 0).then_some(rate as f64)
     }
 
     /// End round `started_at` (its `start`): one queue wins the right to decide, picks,
@@ -205,11 +235,9 @@ impl AutoDisk {
         // A switch that took more than half a slot to settle (a deep ring on a slow
         // disk draining to a shallow depth) left too little of its slots measured: the
         // round is run again at once with slots long enough, rather than decided.
-        let settle = self.settle_ns.load(Ordering::Relaxed);
+        let settle = self.settle_ns.get();
         if settle > slot / 2 && slot < ns(SLOT_MAX) {
-            let longer = (slot * 2).max(settle * 3).min(ns(SLOT_MAX));
-            self.slot.store(longer, Ordering::Relaxed);
-            self.open(Duration::ZERO);
+            self.lengthen(slot, settle);
             return false;
         }
         let trials: Vec<AutoTrial> = CANDIDATES
@@ -253,8 +281,18 @@ impl AutoDisk {
         self.pick.store(pick as u64, Ordering::Relaxed);
         self.recheck.store(recheck, Ordering::Relaxed);
         let round_ns = slot * steps as u64;
+        let now = self.now();
         self.recheck_at.store(
-            self.now() + recheck.max(RECHECK_ROUNDS * round_ns),
+            now + recheck.max(RECHECK_ROUNDS * round_ns),
+            Ordering::Relaxed,
+        );
+        let long = steps == LONG_STEPS;
+        self.quiet_until.store(
+            if long {
+                now + RECHECK_ROUNDS * round_ns
+            } else {
+                0
+            },
             Ordering::Relaxed,
         );
         self.decided.fetch_add(1, Ordering::Release);

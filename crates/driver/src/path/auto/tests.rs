@@ -101,14 +101,15 @@ fn a_round_pools_every_queues_slots_and_one_queue_decides_it() {
 
 #[test]
 fn a_slow_settling_round_is_run_again_at_once_with_slots_that_measure_it() {
-    // A slow disk: the shallow candidate's slots spend 450 ms draining what the deep
-    // one left on the ring. That round is not decided: the next has slots three times
-    // as long, one pass of them, and the recheck waits eight rounds' time at least.
+    // A slow disk: the shallow candidate's slot spends 450 ms draining what the deep
+    // one left on the ring. The queue that saw it starts the round again at once, with
+    // slots three times as long, one pass of them; the recheck, and a round for a changed
+    // workload, wait eight rounds' time at least.
     let disk = AutoDisk::new();
     disk.begin(Duration::ZERO);
     let start = disk.start.load(Ordering::Acquire);
     disk.settled_in(1, ns(Duration::from_millis(450)));
-    assert!(!disk.decide(start));
+    assert!(!disk.decide(start), "the old round is gone");
     assert_eq!(disk.decided.load(Ordering::Acquire), 0);
     assert_eq!(disk.round.load(Ordering::Acquire), 2);
     assert_eq!(
@@ -116,7 +117,7 @@ fn a_slow_settling_round_is_run_again_at_once_with_slots_that_measure_it() {
         ns(Duration::from_millis(1350))
     );
     assert_eq!(disk.steps(), LONG_STEPS);
-    assert_eq!(disk.settle_ns.load(Ordering::Relaxed), 0, "measured anew");
+    assert_eq!(disk.settle_ns.get(), 0, "measured anew");
     // The shallow request path completes 1.75x the others' I/Os in the time measured.
     let start = disk.start.load(Ordering::Acquire);
     let busy = ns(Duration::from_millis(900));
@@ -134,6 +135,11 @@ fn a_slow_settling_round_is_run_again_at_once_with_slots_that_measure_it() {
     assert_eq!(disk.pick.load(Ordering::Acquire), 3, "{:?}", disk.trials());
     let round = ns(Duration::from_millis(1350)) * LONG_STEPS as u64;
     assert!(disk.recheck_at.load(Ordering::Relaxed) >= before + RECHECK_ROUNDS * round);
+    assert!(disk.quiet_until.load(Ordering::Relaxed) >= before + RECHECK_ROUNDS * round);
+    // A measurement over less than a quarter of a slot is left out.
+    disk.begin(Duration::ZERO);
+    disk.add(3, 0, 1000, 1, ns(Duration::from_millis(100)));
+    assert_eq!(disk.ios[0].get(), 0);
     // At the longest slot, a round is decided however long it took to settle.
     let disk = AutoDisk::new();
     disk.slot.store(ns(SLOT_MAX), Ordering::Relaxed);
@@ -147,7 +153,7 @@ fn a_round_left_undecided_is_measured_again_not_decided_on_stale_counts() {
     let disk = AutoDisk::new();
     disk.begin(Duration::ZERO);
     let start = disk.start.load(Ordering::Acquire);
-    disk.add(1, 0, 500, 1, 1);
+    disk.add(1, 0, 500, 1, ns(SLOT));
     // Nobody followed the round until long after its end: it starts over, with
     // slots twice as long each time (a load too sparse for them), up to SLOT_MAX.
     disk.restart(start);
