@@ -6,7 +6,7 @@
 #
 #   quick   about 10 minutes: one run per variant, 2 s each (3 s for the device tables),
 #           the hard-disk tables' sequential rows only, no many-disk tables
-#   full    about 50 minutes (the default): 3 runs per variant taking turns, 3 s each
+#   full    about 45 minutes (the default): 3 runs per variant taking turns, 3 s each
 #           (5 s for the device tables), the random hard-disk rows, and the many-disk
 #           sharing and QoS tables (bench/sharing.sh, bench/qos.sh, 10 s windows)
 #
