@@ -52,6 +52,7 @@ mod inline;
 mod lock;
 pub mod nbd;
 mod pool;
+pub mod qcow2;
 mod spec;
 mod sync_engine;
 mod sysio;
