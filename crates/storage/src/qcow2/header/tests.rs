@@ -147,10 +147,7 @@ fn hostile_headers_get_a_clear_error_with_the_numbers() {
         ),
         (|b| put64(b, 48, 4 * CLUSTER), "past the end of the file"),
         (|b| put64(b, 48, 0), "it would overlap the header"),
-        (
-            |b| put64(b, 48, !(CLUSTER - 1)),
-            "past the end of the file",
-        ),
+        (|b| put64(b, 48, !(CLUSTER - 1)), "past the end of the file"),
         (
             |b| put32(b, 36, u32::MAX),
             "L1 table at offset 196608, 34359738360 bytes: larger",
