@@ -28,6 +28,7 @@
 //! | `hdd` | the simulated 7200 rpm disk (`hdd:SIZE`): its documented timing model, and the engine that serves a RAM disk's bytes with that disk's timing, completions delivered on a timerfd |
 //! | `delay` | [`Delay`] and [`delayed`]: a testing aid that holds every Nth completion back, for out-of-order completions |
 //! | [`nbd`] | NBD disks: the URI grammar, our client (handshake, pipelined requests matched by cookie, reconnect and replay) and its engine |
+//! | [`qcow2`] | qcow2 images, groundwork (issue 22): the header and table entries parsed and checked as QEMU checks them, and a read-only mapping lookup with a bounded L2 slice cache; nothing is served from it yet |
 //! | `bounce` | O_DIRECT alignment (`statx` `STATX_DIOALIGN`) and pooled aligned bounce buffers |
 //!
 //! Rules the engines keep: no heap allocation per operation once warm (slots,
@@ -52,6 +53,7 @@ mod inline;
 mod lock;
 pub mod nbd;
 mod pool;
+pub mod qcow2;
 mod spec;
 mod sync_engine;
 mod sysio;

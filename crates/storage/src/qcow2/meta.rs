@@ -1,0 +1,300 @@
+//! An image's mapping metadata, read-only: the L1 table loaded whole at open (QEMU keeps
+//! it in memory too; at most 32 MiB), and L2 tables read in 4 KiB slices (512 entries)
+//! into a cache of a fixed number of slots, each entry decoded and checked when its slice
+//! is loaded. A lookup answers where a guest range's bytes are, as runs of one
+//! [`Mapping`] kind, never longer than the rest of the cluster.
+//!
+//! Checks beyond the entries' own (entry.rs): an L2 table or a data cluster must not
+//! overlap the header, the L1 table or the refcount table, and an L2 table must lie
+//! inside the file. Data clusters past the end of the file are reported as such (a read
+//! of them is zeroes, as the file's hole would be; vblk never writes there).
+//!
+//! This is the metadata owner's view (docs/design-notes.md, "qcow2"): it blocks on
+//! `pread`, so it runs on the owner's thread, never on a worker.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+
+use super::entry::{self, EntryError, Mapping};
+use super::header::Header;
+
+/// Entries per L2 slice: 4 KiB of 8-byte entries, as QEMU's default l2-cache slices.
+pub const SLICE_ENTRIES: u64 = 512;
+const SLICE_BYTES: usize = SLICE_ENTRIES as usize * 8;
+
+/// Why a lookup failed.
+#[derive(Debug)]
+pub enum MetaError {
+    /// Reading the image failed.
+    Io(io::Error),
+    /// A table entry is wrong: the image is corrupt there.
+    Entry {
+        /// "L1" or "L2".
+        table: &'static str,
+        /// The entry's index in the table's address space.
+        index: u64,
+        /// What is wrong with it.
+        error: EntryError,
+    },
+    /// A table or cluster the metadata points at is where it cannot be.
+    Placement {
+        /// What was found there.
+        what: &'static str,
+        /// Its offset in the file.
+        offset: u64,
+        /// What is wrong.
+        why: &'static str,
+    },
+    /// A guest offset beyond the virtual size.
+    OutOfRange {
+        /// The offset asked for.
+        offset: u64,
+        /// The virtual size.
+        size: u64,
+    },
+}
+
+impl std::fmt::Display for MetaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MetaError::Io(e) => write!(f, "reading the image's metadata: {e}"),
+            MetaError::Entry {
+                table,
+                index,
+                error,
+            } => write!(f, "{table} entry {index}: {error}"),
+            MetaError::Placement { what, offset, why } => {
+                write!(f, "{what} at offset {offset:#x}: {why}")
+            }
+            MetaError::OutOfRange { offset, size } => {
+                write!(f, "guest offset {offset} is past the virtual size {size}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for MetaError {}
+
+impl From<io::Error> for MetaError {
+    fn from(e: io::Error) -> Self {
+        MetaError::Io(e)
+    }
+}
+
+/// One run of a lookup: `len` bytes from the guest offset asked for, all mapped alike.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    /// How the run's bytes are mapped.
+    pub mapping: Mapping,
+    /// Where in the host cluster the run starts (for Data; 0 otherwise).
+    pub host_offset: u64,
+    /// The run's length in bytes.
+    pub len: u64,
+    /// A data cluster that lies past the end of the file (reads as zeroes).
+    pub past_eof: bool,
+}
+
+struct Slot {
+    /// The slice's first entry's index in the L2 address space (l1 index * entries per
+    /// table + slice start), or u64::MAX when empty.
+    key: u64,
+    entries: [Mapping; SLICE_ENTRIES as usize],
+    used: u64,
+}
+
+/// The mapping metadata of one image.
+pub struct Meta {
+    header: Header,
+    file_size: u64,
+    l1: Vec<Option<u64>>,
+    slots: Vec<Slot>,
+    clock: u64,
+    /// Metadata ranges a mapping must not overlap: [start, end).
+    reserved: Vec<(u64, u64, &'static str)>,
+    buf: Box<[u8; SLICE_BYTES]>,
+    /// Slices read from the file (for tests and statistics).
+    pub loads: u64,
+}
+
+impl Meta {
+    /// Load the L1 table of the image `header` describes, with room for `slots` L2
+    /// slices (at least one).
+    pub fn open(file: &File, header: Header, slots: usize) -> Result<Meta, MetaError> {
+        let file_size = file.metadata()?.len();
+        let mut raw = vec![0u8; header.l1_entries as usize * 8];
+        file.read_exact_at(&mut raw, header.l1_offset)?;
+        let cluster = header.cluster_size();
+        let mut reserved = vec![
+            (0, cluster, "the header"),
+            (
+                header.l1_offset,
+                header.l1_offset + u64::from(header.l1_entries) * 8,
+                "the L1 table",
+            ),
+            (
+                header.reftable_offset,
+                header.reftable_offset + u64::from(header.reftable_clusters) * cluster,
+                "the refcount table",
+            ),
+        ];
+        reserved.retain(|&(a, b, _)| b > a);
+        let mut l1 = Vec::with_capacity(header.l1_entries as usize);
+        for (i, e) in raw.chunks_exact(8).enumerate() {
+            let e = u64::from_be_bytes(e.try_into().unwrap_or([0; 8]));
+            let l2 = entry::l1(e, header.cluster_bits).map_err(|error| MetaError::Entry {
+                table: "L1",
+                index: i as u64,
+                error,
+            })?;
+            if let Some(off) = l2 {
+                check_placement(&reserved, "an L2 table", off, cluster)?;
+                if off + cluster > file_size {
+                    return Err(MetaError::Placement {
+                        what: "an L2 table",
+                        offset: off,
+                        why: "past the end of the file",
+                    });
+                }
+            }
+            l1.push(l2);
+        }
+        let empty = || Slot {
+            key: u64::MAX,
+            entries: [Mapping::Unallocated; SLICE_ENTRIES as usize],
+            used: 0,
+        };
+        Ok(Meta {
+            header,
+            file_size,
+            l1,
+            slots: (0..slots.max(1)).map(|_| empty()).collect(),
+            clock: 0,
+            reserved,
+            buf: Box::new([0; SLICE_BYTES]),
+            loads: 0,
+        })
+    }
+
+    /// The image's header.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// Where the guest bytes at `offset` are: a run of at most `len` bytes, never past
+    /// the end of `offset`'s cluster.
+    pub fn lookup(&mut self, file: &File, offset: u64, len: u64) -> Result<Run, MetaError> {
+        let size = self.header.size;
+        if offset >= size {
+            return Err(MetaError::OutOfRange { offset, size });
+        }
+        let cluster = self.header.cluster_size();
+        let in_cluster = offset & (cluster - 1);
+        let len = len.min(cluster - in_cluster).min(size - offset);
+        let guest_cluster = offset >> self.header.cluster_bits;
+        let per_table = self.header.l2_entries();
+        let l1_index = guest_cluster / per_table;
+        let l2_index = guest_cluster % per_table;
+        let Some(Some(table)) = self.l1.get(l1_index as usize).copied() else {
+            return Ok(Run {
+                mapping: Mapping::Unallocated,
+                host_offset: 0,
+                len,
+                past_eof: false,
+            });
+        };
+        let slice_start = l2_index / SLICE_ENTRIES * SLICE_ENTRIES;
+        let key = l1_index * per_table + slice_start;
+        let slot = self.slot(file, key, table + slice_start * 8, l1_index, slice_start)?;
+        let mapping = self.slots[slot].entries[(l2_index - slice_start) as usize];
+        let (host_offset, past_eof) = match mapping {
+            Mapping::Data { host, .. } => (host + in_cluster, host + cluster > self.file_size),
+            _ => (0, false),
+        };
+        Ok(Run {
+            mapping,
+            host_offset,
+            len,
+            past_eof,
+        })
+    }
+
+    /// The cache slot holding slice `key`, read from `at` if it is not resident (into
+    /// the least recently used slot).
+    fn slot(
+        &mut self,
+        file: &File,
+        key: u64,
+        at: u64,
+        l1_index: u64,
+        slice_start: u64,
+    ) -> Result<usize, MetaError> {
+        self.clock += 1;
+        if let Some(i) = self.slots.iter().position(|s| s.key == key) {
+            self.slots[i].used = self.clock;
+            return Ok(i);
+        }
+        // An L2 table of a small cluster holds fewer entries than a slice.
+        let n = (self.header.l2_entries() - slice_start).min(SLICE_ENTRIES) as usize;
+        file.read_exact_at(&mut self.buf[..n * 8], at)?;
+        self.loads += 1;
+        let victim = (0..self.slots.len())
+            .min_by_key(|&i| self.slots[i].used)
+            .unwrap_or(0);
+        let cluster = self.header.cluster_size();
+        let (bits, version) = (self.header.cluster_bits, self.header.version);
+        let slot = &mut self.slots[victim];
+        slot.key = u64::MAX;
+        for (k, e) in self.buf[..n * 8].chunks_exact(8).enumerate() {
+            let e = u64::from_be_bytes(e.try_into().unwrap_or([0; 8]));
+            let index = l1_index * (cluster / 8) + slice_start + k as u64;
+            let m = entry::l2(e, bits, version).map_err(|error| MetaError::Entry {
+                table: "L2",
+                index,
+                error,
+            })?;
+            match m {
+                Mapping::Data { host, .. } | Mapping::Zero { host: Some(host) } => {
+                    check_placement(&self.reserved, "a data cluster", host, cluster)?;
+                }
+                Mapping::Compressed { host, bytes }
+                    if host.checked_add(bytes).is_none_or(|e| e > self.file_size) =>
+                {
+                    return Err(MetaError::Placement {
+                        what: "a compressed cluster",
+                        offset: host,
+                        why: "past the end of the file",
+                    });
+                }
+                _ => {}
+            }
+            slot.entries[k] = m;
+        }
+        slot.key = key;
+        slot.used = self.clock;
+        Ok(victim)
+    }
+}
+
+/// Refuse `what` at `[offset, offset + len)` if it overlaps a metadata range.
+fn check_placement(
+    reserved: &[(u64, u64, &'static str)],
+    what: &'static str,
+    offset: u64,
+    len: u64,
+) -> Result<(), MetaError> {
+    for &(a, b, name) in reserved {
+        if offset < b && offset + len > a {
+            return Err(MetaError::Placement {
+                what,
+                offset,
+                why: match name {
+                    "the header" => "it overlaps the header",
+                    "the L1 table" => "it overlaps the L1 table",
+                    _ => "it overlaps the refcount table",
+                },
+            });
+        }
+    }
+    Ok(())
+}
