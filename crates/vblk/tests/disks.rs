@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use driver::{Disk, DiskOptions};
 use serde_json::Value;
-use support::cli::{bench, config, disk_table, ok, s, saturate, serial, stats, vblk, within_2pct};
+use support::cli::{
+    bench, config, disk_table, ok, rate_within_2pct, s, saturate, serial, stats, vblk,
+};
 use support::daemon::Daemon;
 use support::nbdkit::Nbdkit;
 use support::util::{temp_dir, within};
@@ -360,7 +362,7 @@ fn a_config_file_reloaded_adds_removes_and_relimits() {
         assert!(c.exists() && !b.exists());
         let args = saturate("randread", "4k");
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        within_2pct("disk a after the reload", bench(&a, &args).0, 2000.0);
+        rate_within_2pct("disk a after the reload", 2000.0, || bench(&a, &args).0);
         let said = ok(&["disk", "sync", "--config", s(&cfg)]);
         assert!(said.trim().is_empty(), "nothing to do twice: {said}");
     });
