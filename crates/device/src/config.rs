@@ -199,6 +199,8 @@ pub struct DeviceConfig {
     pub throttle: crate::throttle::Limits,
     /// The throttle group it belongs to, whose limits cover all its members.
     pub throttle_group: Option<String>,
+    /// qcow2 images: the backing files below the image, in order (`--backing`).
+    pub backing: Vec<storage::qcow2::BackingFile>,
 }
 
 impl Default for DeviceConfig {
@@ -224,6 +226,7 @@ impl Default for DeviceConfig {
             nbd: Default::default(),
             throttle: Default::default(),
             throttle_group: None,
+            backing: Vec::new(),
         }
     }
 }

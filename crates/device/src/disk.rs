@@ -129,6 +129,7 @@ impl DiskShared {
             usize::from(config.num_queues),
             pool.stats().to_vec(),
             config.disk.to_string(),
+            crate::stats::image_of(&disk),
         ));
         let fence = Arc::new(Fence::new(stats.fence.clone()));
         let mut throttle = DiskThrottle {
@@ -188,6 +189,7 @@ impl OpenedDisk {
             image: config.image,
             engine_threads: config.engine_threads,
             nbd: config.nbd,
+            backing: config.backing.clone(),
         };
         let opened = match file {
             Some(f) => Backend::open_file(&config.disk, f, &options),

@@ -225,10 +225,50 @@ pub(crate) struct Stats {
     pub lifecycle: Arc<LifecycleStats>,
     started: Instant,
     disk: String,
+    /// What the disk's image is ([`image_of`]).
+    image: Value,
+}
+
+/// A disk's image format and backing chain: `{"format":"qcow2","version":3,
+/// "cluster_size":..,"virtual_size":..,"file_size":..,"backing":[{"path":..,"format":..},
+/// ..]}`; files and block devices are `{"format":"raw"}`; other disks `null`.
+pub fn image_of(b: &storage::Backend) -> Value {
+    let Some(img) = b.qcow2() else {
+        return match b.kind() {
+            storage::BackendKind::File | storage::BackendKind::BlockDevice => {
+                json!({"format": "raw"})
+            }
+            _ => Value::Null,
+        };
+    };
+    let h = img.header();
+    let mut chain = Vec::new();
+    let mut next = img.backing();
+    while let Some((b, format)) = next {
+        chain.push(json!({
+            "path": b.path().map(|p| p.display().to_string()),
+            "format": format.to_string(),
+        }));
+        next = b.qcow2().and_then(|i| i.backing());
+    }
+    json!({
+        "format": "qcow2",
+        "version": h.version,
+        "cluster_size": h.cluster_size(),
+        "virtual_size": h.size,
+        "file_size": img.file_size(),
+        "read_only": true,
+        "backing": chain,
+    })
 }
 
 impl Stats {
-    pub(crate) fn new(num_queues: usize, workers: Vec<Arc<WorkerStats>>, disk: String) -> Stats {
+    pub(crate) fn new(
+        num_queues: usize,
+        workers: Vec<Arc<WorkerStats>>,
+        disk: String,
+        image: Value,
+    ) -> Stats {
         Stats {
             queues: (0..num_queues).map(|_| Arc::default()).collect(),
             throttle: Arc::default(),
@@ -237,6 +277,7 @@ impl Stats {
             lifecycle: Arc::default(),
             started: Instant::now(),
             disk,
+            image,
         }
     }
 
@@ -272,6 +313,7 @@ impl Stats {
         json!({
             "vblk_stats": 1,
             "disk": self.disk,
+            "image": self.image,
             "capacity_bytes": capacity_bytes,
             "uptime_ns": u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX),
             "num_queues": self.queues.len(),

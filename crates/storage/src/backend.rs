@@ -85,6 +85,9 @@ pub struct OpenOptions {
     pub engine_threads: usize,
     /// NBD disks only: reconnection, timeouts, connections per engine.
     pub nbd: NbdOptions,
+    /// qcow2 images only: the backing chain below the image, in order (the image's
+    /// backing file first). vblk opens no file an image names on its own.
+    pub backing: Vec<crate::qcow2::BackingFile>,
 }
 
 impl Default for OpenOptions {
@@ -96,6 +99,7 @@ impl Default for OpenOptions {
             image: ImageChecks::default(),
             engine_threads: DEFAULT_ENGINE_THREADS,
             nbd: NbdOptions::default(),
+            backing: Vec::new(),
         }
     }
 }
@@ -187,6 +191,8 @@ pub struct Backend {
     /// Whether this backend writes the image now (holds its write locks): see
     /// [`crate::handoff`].
     pub(crate) holding: std::sync::Mutex<crate::handoff::Holding>,
+    /// A qcow2 image: the format layer over the file (which it holds, with its locks).
+    qcow2: Option<Arc<crate::qcow2::Image>>,
 }
 
 // SAFETY: the only field that is not Send + Sync is the RAM disk's mapping, a
@@ -202,7 +208,7 @@ impl Backend {
     /// Opens the disk `spec` names.
     pub fn open(spec: &DiskSpec, opts: &OpenOptions) -> Result<Backend, Error> {
         match spec {
-            DiskSpec::File(path) => open_file(path, opts),
+            DiskSpec::File(path) => open_in_chain(path, opts, &mut Vec::new()),
             DiskSpec::Mem(size) => open_mem(*size, opts),
             DiskSpec::Null(size) => {
                 check_sector_multiple(*size)?;
@@ -278,7 +284,7 @@ impl Backend {
                 io_err("fcntl(F_SETFL)", source)
             });
         }
-        from_file(path, file, opts)
+        from_file(path, file, opts, &mut Vec::new())
     }
 
     fn bare(kind: BackendKind, size: u64, serial: &str, opts: &OpenOptions) -> Backend {
@@ -299,6 +305,7 @@ impl Backend {
             nbd: None,
             hdd: None,
             holding: std::sync::Mutex::new(crate::handoff::Holding::Unlocked),
+            qcow2: None,
         }
     }
 
@@ -405,6 +412,11 @@ impl Backend {
         self.serial.clone()
     }
 
+    /// The qcow2 image this backend serves, if it is one.
+    pub fn qcow2(&self) -> Option<&crate::qcow2::Image> {
+        self.qcow2.as_deref()
+    }
+
     /// The path of a file or block device.
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()
@@ -427,6 +439,23 @@ impl Backend {
         depth: u32,
     ) -> Result<Box<dyn Engine>, Error> {
         let depth_n = check_depth(depth)?;
+        if let Some(image) = &self.qcow2 {
+            // Pieces of a request may outnumber requests: the wrapped engines get room.
+            let room = depth.saturating_mul(4).min(crate::engine::MAX_DEPTH);
+            let inner = image.container.engine(kind, room)?;
+            let backing = match &image.backing {
+                Some(b) => Some(b.engine(kind, room)?),
+                None => None,
+            };
+            let e =
+                crate::qcow2::engine::Qcow2Engine::new(Arc::clone(image), inner, backing, depth)
+                    .map_err(|source| Error::EngineSetup {
+                        engine: "qcow2",
+                        depth,
+                        source,
+                    })?;
+            return Ok(Box::new(e));
+        }
         if let Some(ex) = &self.nbd {
             return Ok(Box::new(NbdEngine::new(Arc::clone(ex), depth_n)?));
         }
@@ -540,7 +569,13 @@ fn check_sector_multiple(size: u64) -> Result<(), Error> {
     Ok(())
 }
 
-fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
+/// Open the file at `path`; `chain` holds the (device, inode) of the qcow2 images above
+/// it, when it is a backing file.
+pub(crate) fn open_in_chain(
+    path: &Path,
+    opts: &OpenOptions,
+    chain: &mut Vec<(u64, u64)>,
+) -> Result<Backend, Error> {
     let direct = opts.cache == CacheMode::None;
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -559,11 +594,16 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Backend, Error> {
                 }
             }
         })?;
-    from_file(path, file, opts)
+    from_file(path, file, opts, chain)
 }
 
-/// The rest of [`open_file`] once the file is open as `opts` asks.
-fn from_file(path: &Path, file: File, opts: &OpenOptions) -> Result<Backend, Error> {
+/// The rest of [`open_in_chain`] once the file is open as `opts` asks.
+fn from_file(
+    path: &Path,
+    file: File,
+    opts: &OpenOptions,
+    chain: &mut Vec<(u64, u64)>,
+) -> Result<Backend, Error> {
     let direct = opts.cache == CacheMode::None;
     let io_err = |op, source| Error::Io {
         path: path.to_owned(),
@@ -627,7 +667,10 @@ fn from_file(path: &Path, file: File, opts: &OpenOptions) -> Result<Backend, Err
         size,
         block,
     };
-    if !size.is_multiple_of(SECTOR_SIZE) {
+    // A qcow2 file's size is what its clusters and compressed data took; its virtual size
+    // is what must be aligned.
+    let qcow2 = opts.image.format == Some(Format::Qcow2);
+    if !qcow2 && !size.is_multiple_of(SECTOR_SIZE) {
         return Err(unaligned(SECTOR_SIZE as u32));
     }
 
@@ -660,7 +703,7 @@ fn from_file(path: &Path, file: File, opts: &OpenOptions) -> Result<Backend, Err
                 size: align.offset,
             });
         }
-        if !size.is_multiple_of(u64::from(lbs)) {
+        if !qcow2 && !size.is_multiple_of(u64::from(lbs)) {
             return Err(unaligned(lbs));
         }
         logical_block_size = lbs;
@@ -670,7 +713,7 @@ fn from_file(path: &Path, file: File, opts: &OpenOptions) -> Result<Backend, Err
         });
     }
 
-    Ok(Backend {
+    let backend = Backend {
         kind,
         path: Some(path.to_owned()),
         file: Some(file),
@@ -687,7 +730,44 @@ fn from_file(path: &Path, file: File, opts: &OpenOptions) -> Result<Backend, Err
         nbd: None,
         hdd: None,
         holding: std::sync::Mutex::new(holding),
-    })
+        qcow2: None,
+    };
+    if opts.image.format != Some(Format::Qcow2) {
+        if let Some(b) = opts.backing.first() {
+            return Err(Error::Qcow2 {
+                path: path.to_owned(),
+                why: format!(
+                    "--backing {} is for qcow2 images (and one per image in the chain); this one is served raw",
+                    b.path.display()
+                ),
+            });
+        }
+        return Ok(backend);
+    }
+    qcow2_over(backend, opts, chain)
+}
+
+/// The qcow2 image in the raw file `container`: a backend of the image's virtual size
+/// whose engines translate through its tables.
+fn qcow2_over(
+    container: Backend,
+    opts: &OpenOptions,
+    chain: &mut Vec<(u64, u64)>,
+) -> Result<Backend, Error> {
+    let path = container.path.clone().unwrap_or_default();
+    let align = container.dio.map_or(1, |d| u64::from(d.mem.max(d.offset)));
+    let (kind, lbs, serial) = (
+        container.kind,
+        container.logical_block_size,
+        container.serial.clone(),
+    );
+    let image = crate::qcow2::image::open(&path, container, align, opts, chain)?;
+    let mut b = Backend::bare(kind, image.size, &serial, opts);
+    b.path = Some(path);
+    b.logical_block_size = lbs;
+    b.read_only = true;
+    b.qcow2 = Some(Arc::new(image));
+    Ok(b)
 }
 
 /// `BLKSSZGET`: the logical block size of a block device.

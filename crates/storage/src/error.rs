@@ -155,6 +155,15 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// A qcow2 image that cannot be served as asked: its header, its tables or its
+    /// backing chain.
+    #[error("{}: {why}", path.display())]
+    Qcow2 {
+        /// The image.
+        path: PathBuf,
+        /// What is wrong, with the numbers and the way out.
+        why: String,
+    },
     /// The file or device holds an image format other than raw.
     #[error("{}", refusal(path, *format, *read_only))]
     NotRaw {

@@ -20,18 +20,33 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-/// The format the user declares a disk to be in. Raw is the only one vblk serves;
-/// declaring it turns the probe off.
+/// The format the user declares a disk to be in; declaring it turns the probe off.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
     /// The bytes are the disk.
     Raw,
+    /// A qcow2 image (served read-only for now, with its backing chain as named on the
+    /// command line).
+    Qcow2,
+}
+
+impl std::str::FromStr for Format {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Format, String> {
+        match s {
+            "raw" => Ok(Format::Raw),
+            "qcow2" => Ok(Format::Qcow2),
+            _ => Err(format!("{s:?}: vblk serves raw and qcow2 images")),
+        }
+    }
 }
 
 impl fmt::Display for Format {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Format::Raw => "raw",
+            Format::Qcow2 => "qcow2",
         })
     }
 }
@@ -298,6 +313,12 @@ pub(crate) fn refusal(path: &Path, format: ImageFormat, read_only: bool) -> Stri
              --object secret,id=key,file=KEYFILE --image-opts \
              driver=luks,key-secret=key,file.filename={p} -O raw {o}"
         ),
+        ImageFormat::Qcow2 { .. } => format!(
+            "{p} is {format}, not raw: {harm}. Serve it read-only with --format qcow2 \
+             --read-only (and --backing for its backing chain), or convert it: qemu-img \
+             convert -f qcow2 -O raw {p} {o}, or pass --format raw if you really mean to \
+             serve the bytes as they are"
+        ),
         _ => format!(
             "{p} is {format}, not raw: {harm}. Convert it: qemu-img convert -f {} -O raw {p} \
              {o}, or pass --format raw if you really mean to serve the bytes as they are",
@@ -447,8 +468,10 @@ mod tests {
         assert_eq!(
             m,
             "disk.img is a qcow2 image (version 3), not raw: serving it raw would let the guest \
-             overwrite its metadata. Convert it: qemu-img convert -f qcow2 -O raw disk.img \
-             disk.raw, or pass --format raw if you really mean to serve the bytes as they are"
+             overwrite its metadata. Serve it read-only with --format qcow2 --read-only (and \
+             --backing for its backing chain), or convert it: qemu-img convert -f qcow2 -O raw \
+             disk.img disk.raw, or pass --format raw if you really mean to serve the bytes as \
+             they are"
         );
         let m = refusal(Path::new("/v/x.raw"), ImageFormat::Vdi, true);
         assert!(

@@ -6,31 +6,13 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::process::Command;
 
 use vblk_storage::qcow2::entry::Mapping;
 use vblk_storage::qcow2::meta::{Meta, MetaError};
 use vblk_storage::qcow2::Header;
 
 mod common;
-use common::scratch;
-
-fn run(dir: &Path, program: &str, args: &[&str]) {
-    let out = Command::new(program)
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "{program} could not run ({e}): install qemu-utils (`apt-get install qemu-utils`)"
-            )
-        });
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use common::{scratch, tool as run};
 
 fn open(path: &Path, slots: usize) -> (File, Meta) {
     let file = File::open(path).unwrap();

@@ -68,13 +68,23 @@ pub struct DiskArgs {
     #[arg(long)]
     pub incoming: bool,
 
-    /// Declare the image's format; `raw` is the only one vblk serves [default: probe: an
-    /// image file or block device that holds qcow2, QED, VMDK, VHDX, VDI, VHD, LUKS,
-    /// Parallels, DMG, Bochs or cloop is refused, since a guest writing to one served raw
-    /// destroys it]. Pass `--format raw` for disks a guest owns: a guest could write an
-    /// image header into its own disk, and the next start would then refuse it.
+    /// Declare the image's format: `raw`, or `qcow2` (served read-only for now: add
+    /// `--read-only`) [default: probe: an image file or block device that holds qcow2,
+    /// QED, VMDK, VHDX, VDI, VHD, LUKS, Parallels, DMG, Bochs or cloop is refused, since a
+    /// guest writing to one served raw destroys it]. Pass `--format raw` for disks a guest
+    /// owns: a guest could write an image header into its own disk, and the next start
+    /// would then refuse it. vblk never probes a format into use.
     #[arg(long, value_name = "FORMAT", value_enum)]
     pub format: Option<FormatArg>,
+
+    /// qcow2 images: the backing file below the image, opened read-only; repeat it for
+    /// each image further down the chain, in order (`--backing base.qcow2 --backing
+    /// base.raw`). `PATH,format=raw|qcow2` names its format where the image's header does
+    /// not record it. vblk never opens a file an image names on its own: an image whose
+    /// header names a backing file is refused until one is given here, and one given here
+    /// must be the file the header names if that exists.
+    #[arg(long, value_name = "PATH[,format=F]")]
+    pub backing: Vec<storage::qcow2::BackingFile>,
 
     /// RAM disks: allocate and map all of it at start (no first-touch page faults during
     /// I/O; not enough memory is an error at start, not later).
@@ -222,6 +232,8 @@ pub enum LockArg {
 pub enum FormatArg {
     /// The bytes are the disk; no probe.
     Raw,
+    /// A qcow2 image (read-only for now), with its backing chain from `--backing`.
+    Qcow2,
 }
 
 pub(crate) fn parse_on_off(s: &str) -> Result<bool, String> {
@@ -480,11 +492,15 @@ impl DiskArgs {
                     LockArg::On => ImageLock::On,
                     LockArg::Off => ImageLock::Off,
                 },
-                format: a.format.map(|FormatArg::Raw| Format::Raw),
+                format: a.format.map(|f| match f {
+                    FormatArg::Raw => Format::Raw,
+                    FormatArg::Qcow2 => Format::Qcow2,
+                }),
                 incoming: a.incoming,
             },
             throttle: a.throttle.unwrap_or_default(),
             throttle_group: a.throttle_group,
+            backing: a.backing,
         };
         let served = ServedDisk {
             id,

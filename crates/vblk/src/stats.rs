@@ -219,6 +219,34 @@ fn print_disk(v: &Value, uptime_ns: u64) {
         uptime_ns as f64 / 1e9,
         u(&v["num_queues"])
     );
+    if v["image"]["format"] == "qcow2" {
+        let i = &v["image"];
+        let chain: Vec<String> = i["backing"]
+            .as_array()
+            .map(|b| {
+                b.iter()
+                    .map(|l| {
+                        format!(
+                            "{} ({})",
+                            l["path"].as_str().unwrap_or("?"),
+                            l["format"].as_str().unwrap_or("?")
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        println!(
+            "image: qcow2 version {}, clusters of {} KiB, file {:.1} MiB, read-only, backing chain: {}",
+            u(&i["version"]),
+            u(&i["cluster_size"]) / 1024,
+            u(&i["file_size"]) as f64 / (1u64 << 20) as f64,
+            if chain.is_empty() {
+                "none".to_owned()
+            } else {
+                chain.join(" over ")
+            }
+        );
+    }
     let queues = v["queues"].as_array().cloned().unwrap_or_default();
     if queues.is_empty() {
         println!("no requests yet");

@@ -19,6 +19,25 @@ use std::os::unix::fs::FileExt;
 use super::entry::{self, EntryError, Mapping};
 use super::header::Header;
 
+/// Where metadata is read from: the image file as it is, or through aligned buffers when
+/// it is open with O_DIRECT (qcow2/owner.rs).
+pub trait Source {
+    /// Fill `buf` from `offset`, or fail (a short file is an error).
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// The file's size in bytes.
+    fn size(&self) -> io::Result<u64>;
+}
+
+impl Source for File {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        FileExt::read_exact_at(self, buf, offset)
+    }
+
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.metadata()?.len())
+    }
+}
+
 /// Entries per L2 slice: 4 KiB of 8-byte entries, as QEMU's default l2-cache slices.
 pub const SLICE_ENTRIES: u64 = 512;
 const SLICE_BYTES: usize = SLICE_ENTRIES as usize * 8;
@@ -120,8 +139,8 @@ pub struct Meta {
 impl Meta {
     /// Load the L1 table of the image `header` describes, with room for `slots` L2
     /// slices (at least one).
-    pub fn open(file: &File, header: Header, slots: usize) -> Result<Meta, MetaError> {
-        let file_size = file.metadata()?.len();
+    pub fn open(file: &impl Source, header: Header, slots: usize) -> Result<Meta, MetaError> {
+        let file_size = file.size()?;
         let mut raw = vec![0u8; header.l1_entries as usize * 8];
         file.read_exact_at(&mut raw, header.l1_offset)?;
         let cluster = header.cluster_size();
@@ -183,7 +202,7 @@ impl Meta {
 
     /// Where the guest bytes at `offset` are: a run of at most `len` bytes, never past
     /// the end of `offset`'s cluster.
-    pub fn lookup(&mut self, file: &File, offset: u64, len: u64) -> Result<Run, MetaError> {
+    pub fn lookup(&mut self, file: &impl Source, offset: u64, len: u64) -> Result<Run, MetaError> {
         let size = self.header.size;
         if offset >= size {
             return Err(MetaError::OutOfRange { offset, size });
@@ -219,11 +238,48 @@ impl Meta {
         })
     }
 
+    /// The image file's size when it was opened.
+    pub fn file_size(&self) -> u64 {
+        self.file_size
+    }
+
+    /// Guest clusters per slice: 512, or all of an L2 table when it holds fewer.
+    pub fn slice_clusters(&self) -> u64 {
+        SLICE_ENTRIES.min(self.header.l2_entries())
+    }
+
+    /// The checked mappings of slice `slice` (guest clusters `slice * slice_clusters()`
+    /// onwards; the last slice may reach past the virtual size). Clusters whose L2 table
+    /// is absent are unallocated.
+    pub fn slice(&mut self, file: &impl Source, slice: u64) -> Result<&[Mapping], MetaError> {
+        const NONE: [Mapping; SLICE_ENTRIES as usize] =
+            [Mapping::Unallocated; SLICE_ENTRIES as usize];
+        let n = self.slice_clusters();
+        let first = slice.saturating_mul(n);
+        let per_table = self.header.l2_entries();
+        let (l1_index, slice_start) = (first / per_table, first % per_table);
+        if first
+            .checked_mul(self.header.cluster_size())
+            .is_none_or(|o| o >= self.header.size)
+        {
+            return Err(MetaError::OutOfRange {
+                offset: first.saturating_mul(self.header.cluster_size()),
+                size: self.header.size,
+            });
+        }
+        let Some(Some(table)) = self.l1.get(l1_index as usize).copied() else {
+            return Ok(&NONE[..n as usize]);
+        };
+        let key = l1_index * per_table + slice_start;
+        let slot = self.slot(file, key, table + slice_start * 8, l1_index, slice_start)?;
+        Ok(&self.slots[slot].entries[..n as usize])
+    }
+
     /// The cache slot holding slice `key`, read from `at` if it is not resident (into
     /// the least recently used slot).
     fn slot(
         &mut self,
-        file: &File,
+        file: &impl Source,
         key: u64,
         at: u64,
         l1_index: u64,

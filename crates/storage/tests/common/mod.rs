@@ -307,3 +307,22 @@ impl Drop for Loop {
         let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
     }
 }
+
+/// Runs a QEMU tool (qemu-img, qemu-io) in `dir`; a missing tool or a failure panics
+/// with what to install or what it said.
+pub fn tool(dir: &Path, program: &str, args: &[&str]) {
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{program} could not run ({e}): install qemu-utils (`apt-get install qemu-utils`)"
+            )
+        });
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

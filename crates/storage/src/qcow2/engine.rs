@@ -1,0 +1,647 @@
+//! A worker's engine on a qcow2 image: it translates each guest read through the shared
+//! table into runs, and carries them on engines of the image file and of its backing
+//! file (the same kind the worker asked for), filling zero runs itself. A request whose
+//! clusters the table does not hold waits, parked, while the metadata owner loads them;
+//! compressed clusters and clusters reaching past the end of the file are read by the
+//! owner. Nothing here blocks: the engine's completion fd is an epoll set holding both
+//! engines' fds and the owner's answers.
+//!
+//! Slots for requests and for their pieces are reused; the pieces' iovec arrays keep
+//! their capacity, so a steady workload allocates nothing.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::Arc;
+
+use super::image::Image;
+use super::iov;
+use super::owner::{Answer, Job, Mailbox};
+use super::table::Entry;
+use crate::engine::{Completion, Engine, Full, Op};
+
+/// No slice.
+const NONE: u64 = u64::MAX;
+
+/// Where a piece goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Target {
+    Image,
+    Backing,
+    Owner,
+}
+
+/// What a run of a request is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Data,
+    Backing,
+    Zero,
+    Slow,
+    Corrupt,
+}
+
+#[derive(Clone, Copy)]
+struct Run {
+    kind: Kind,
+    /// Offset in the request.
+    start: u64,
+    len: u64,
+    /// Image file offset (Data), guest offset (Backing, Slow).
+    at: u64,
+}
+
+struct Parent {
+    token: u64,
+    offset: u64,
+    len: u64,
+    iov: *const libc::iovec,
+    iovcnt: u32,
+    pending: u32,
+    errno: i32,
+    /// The slice it waits for while parked, and the one it asked the owner for
+    /// ([`NONE`] when its question was answered or not asked).
+    waiting: u64,
+    asked: u64,
+}
+
+struct Sub {
+    parent: u32,
+    target: Target,
+    at: u64,
+    len: u64,
+    iov: Vec<libc::iovec>,
+}
+
+/// The engine. Field order matters: the wrapped engines are dropped (waiting for what
+/// they carry) before the iovec arrays they read.
+pub(crate) struct Qcow2Engine {
+    inner: Box<dyn Engine>,
+    backing: Option<Box<dyn Engine>>,
+    image: Arc<Image>,
+    jobs: SyncSender<Job>,
+    mailbox: Arc<Mailbox>,
+    epoll: OwnedFd,
+    depth: usize,
+    parents: Vec<Parent>,
+    free_parents: Vec<u32>,
+    subs: Vec<Sub>,
+    free_subs: Vec<u32>,
+    parked: VecDeque<u32>,
+    blocked: VecDeque<u32>,
+    ready: VecDeque<Completion>,
+    answers: VecDeque<Answer>,
+    reaped: Vec<(u64, io::Result<u64>)>,
+    runs: Vec<Run>,
+    /// Jobs sent to the owner and not answered.
+    at_owner: usize,
+    /// The mailbox's eventfd was signalled for completions finished in `push`.
+    signalled: bool,
+    /// Pieces were pushed to the wrapped engines since their last submit.
+    unsubmitted: bool,
+    in_flight: usize,
+}
+
+// SAFETY: the raw iovec pointers name buffers lent under `Engine::push`'s contract; the
+// engine is used by one thread at a time (`&mut self`).
+unsafe impl Send for Qcow2Engine {}
+
+impl Qcow2Engine {
+    pub(crate) fn new(
+        image: Arc<Image>,
+        inner: Box<dyn Engine>,
+        backing: Option<Box<dyn Engine>>,
+        depth: u32,
+    ) -> io::Result<Qcow2Engine> {
+        let depth = depth as usize;
+        let mailbox = Arc::new(Mailbox::new(depth)?);
+        // SAFETY: creates a new descriptor, owned right below.
+        let e = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if e < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: epoll_create1 just returned it and nothing else owns it.
+        let epoll = unsafe { OwnedFd::from_raw_fd(e) };
+        let fds = [
+            Some(mailbox.fd()),
+            inner.notify_fd(),
+            backing.as_ref().and_then(|b| b.notify_fd()),
+        ];
+        for fd in fds.into_iter().flatten() {
+            let mut ev = libc::epoll_event {
+                events: libc::EPOLLIN as u32,
+                u64: fd as u64,
+            };
+            // SAFETY: adds a live descriptor to our own epoll set; `ev` is a live struct.
+            if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(Qcow2Engine {
+            inner,
+            backing,
+            jobs: image.jobs(),
+            image,
+            mailbox,
+            epoll,
+            depth,
+            parents: Vec::with_capacity(depth),
+            free_parents: Vec::with_capacity(depth),
+            subs: Vec::with_capacity(depth),
+            free_subs: Vec::with_capacity(depth),
+            parked: VecDeque::with_capacity(depth),
+            blocked: VecDeque::with_capacity(depth),
+            ready: VecDeque::with_capacity(depth),
+            answers: VecDeque::with_capacity(depth),
+            reaped: Vec::with_capacity(depth),
+            runs: Vec::with_capacity(16),
+            at_owner: 0,
+            signalled: false,
+            unsubmitted: false,
+            in_flight: 0,
+        })
+    }
+
+    fn finish(&mut self, token: u64, result: io::Result<u64>) {
+        self.ready.push_back(Completion { token, result });
+    }
+
+    fn new_parent(&mut self, p: Parent) -> u32 {
+        match self.free_parents.pop() {
+            Some(i) => {
+                self.parents[i as usize] = p;
+                i
+            }
+            None => {
+                self.parents.push(p);
+                (self.parents.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Parent `p` is done: hand its completion out.
+    fn end_parent(&mut self, p: u32) {
+        let (token, errno, len) = {
+            let pr = &self.parents[p as usize];
+            (pr.token, pr.errno, pr.len)
+        };
+        self.free_parents.push(p);
+        self.finish(
+            token,
+            if errno == 0 {
+                Ok(len)
+            } else {
+                Err(io::Error::from_raw_os_error(errno))
+            },
+        );
+    }
+
+    /// Translate parent `p` and send its pieces; false when a slice is missing (the
+    /// parent is then to be parked).
+    fn route(&mut self, p: u32) -> bool {
+        let img = &self.image;
+        let (bits, table) = (img.cluster_bits, &img.table);
+        let cluster = 1u64 << bits;
+        let (offset, len) = {
+            let pr = &self.parents[p as usize];
+            (pr.offset, pr.len)
+        };
+        self.runs.clear();
+        let mut off = offset;
+        while off < offset + len {
+            let c = off >> bits;
+            let in_c = off & (cluster - 1);
+            let n = (cluster - in_c).min(offset + len - off);
+            let Some(e) = table.get(c) else {
+                self.parents[p as usize].waiting = c / table.per_slice();
+                return false;
+            };
+            let (kind, at) = match e {
+                Entry::Unallocated if img.backing.is_some() => (Kind::Backing, off),
+                Entry::Unallocated | Entry::Zero => (Kind::Zero, 0),
+                Entry::Data(host) => (Kind::Data, host + in_c),
+                Entry::Slow => (Kind::Slow, off),
+                Entry::Corrupt => (Kind::Corrupt, 0),
+            };
+            let start = off - offset;
+            match self.runs.last_mut() {
+                Some(r)
+                    if r.kind == kind
+                        && kind != Kind::Slow
+                        && (kind == Kind::Zero || kind == Kind::Corrupt || r.at + r.len == at) =>
+                {
+                    r.len += n
+                }
+                _ => self.runs.push(Run {
+                    kind,
+                    start,
+                    len: n,
+                    at,
+                }),
+            }
+            off += n;
+        }
+        if self.runs.iter().any(|r| r.kind == Kind::Corrupt) {
+            self.parents[p as usize].errno = libc::EIO;
+            self.end_parent(p);
+            return true;
+        }
+        let backing_size = self.image.backing_size;
+        let mut pending = 0;
+        for i in 0..self.runs.len() {
+            let r = self.runs[i];
+            match r.kind {
+                Kind::Zero => self.zero(p, r.start, r.len),
+                Kind::Data => {
+                    self.send(p, Target::Image, r.start, r.len, r.at);
+                    pending += 1;
+                }
+                Kind::Backing => {
+                    // What lies past the end of a smaller backing file reads as zeroes.
+                    let inside = backing_size.saturating_sub(r.at).min(r.len);
+                    if inside > 0 {
+                        self.send(p, Target::Backing, r.start, inside, r.at);
+                        pending += 1;
+                    }
+                    if inside < r.len {
+                        self.zero(p, r.start + inside, r.len - inside);
+                    }
+                }
+                Kind::Slow => {
+                    self.send(p, Target::Owner, r.start, r.len, r.at);
+                    pending += 1;
+                }
+                Kind::Corrupt => {}
+            }
+        }
+        self.parents[p as usize].pending = pending;
+        if pending == 0 {
+            self.end_parent(p);
+        }
+        true
+    }
+
+    fn zero(&mut self, p: u32, start: u64, len: u64) {
+        let pr = &self.parents[p as usize];
+        // SAFETY: the request's buffers, lent to us for writing until it completes.
+        unsafe { iov::zero(pr.iov, pr.iovcnt, start, len) };
+    }
+
+    /// Make a piece of parent `p` (bytes `[start, start + len)` of it, at `at` on its
+    /// target) and send it.
+    fn send(&mut self, p: u32, target: Target, start: u64, len: u64, at: u64) {
+        let s = match self.free_subs.pop() {
+            Some(i) => i,
+            None => {
+                self.subs.push(Sub {
+                    parent: 0,
+                    target,
+                    at: 0,
+                    len: 0,
+                    iov: Vec::new(),
+                });
+                (self.subs.len() - 1) as u32
+            }
+        };
+        let (piov, pcnt) = {
+            let pr = &self.parents[p as usize];
+            (pr.iov, pr.iovcnt)
+        };
+        let sub = &mut self.subs[s as usize];
+        sub.parent = p;
+        sub.target = target;
+        sub.at = at;
+        sub.len = len;
+        sub.iov.clear();
+        // SAFETY: the request's iovecs, valid until it completes.
+        unsafe { iov::slice_into(piov, pcnt, start, len, &mut sub.iov) };
+        if !self.push_sub(s) {
+            self.blocked.push_back(s);
+        }
+    }
+
+    /// Hand piece `s` to its target; false when the target is full.
+    fn push_sub(&mut self, s: u32) -> bool {
+        let sub = &self.subs[s as usize];
+        let op = Op::Read {
+            offset: sub.at,
+            iov: sub.iov.as_ptr(),
+            iovcnt: sub.iov.len() as u32,
+        };
+        match sub.target {
+            Target::Image => {
+                self.unsubmitted = true;
+                // SAFETY: the piece's iovecs live in `self.subs[s]` (never touched until
+                // its completion) and name the request's buffers, lent to us until it
+                // completes; the wrapped engines are dropped before `subs`.
+                unsafe { self.inner.push(u64::from(s), op).is_ok() }
+            }
+            Target::Backing => match self.backing.as_mut() {
+                Some(b) => {
+                    self.unsubmitted = true;
+                    // SAFETY: as above.
+                    unsafe { b.push(u64::from(s), op).is_ok() }
+                }
+                None => false,
+            },
+            Target::Owner => {
+                let job = Job::Read {
+                    sub: s,
+                    offset: sub.at,
+                    len: sub.len,
+                    iov: sub.iov.as_ptr(),
+                    iovcnt: sub.iov.len() as u32,
+                    reply: Arc::clone(&self.mailbox),
+                };
+                match self.jobs.try_send(job) {
+                    Ok(()) => {
+                        self.at_owner += 1;
+                        true
+                    }
+                    Err(TrySendError::Full(_)) => false,
+                    Err(TrySendError::Disconnected(_)) => {
+                        self.sub_done(s, Err(io::Error::from_raw_os_error(libc::EIO)));
+                        true
+                    }
+                }
+            }
+        }
+    }
+
+    fn sub_done(&mut self, s: u32, result: io::Result<u64>) {
+        let (p, len) = {
+            let sub = &self.subs[s as usize];
+            (sub.parent, sub.len)
+        };
+        self.free_subs.push(s);
+        let pr = &mut self.parents[p as usize];
+        match result {
+            Ok(n) if n == len => {}
+            Ok(_) => pr.errno = libc::EIO,
+            Err(e) => pr.errno = e.raw_os_error().unwrap_or(libc::EIO),
+        }
+        pr.pending -= 1;
+        if pr.pending == 0 {
+            self.end_parent(p);
+        }
+    }
+
+    /// Ask the owner for parent `p`'s missing slice, unless it or another parked request
+    /// already did.
+    fn ask(&mut self, p: u32) {
+        let slice = self.parents[p as usize].waiting;
+        if self.parents[p as usize].asked == slice {
+            return;
+        }
+        if self
+            .parked
+            .iter()
+            .any(|&q| q != p && self.parents[q as usize].asked == slice)
+        {
+            // Its answer wakes every parked request.
+            self.parents[p as usize].asked = slice;
+            return;
+        }
+        let job = Job::Load {
+            slice,
+            reply: Arc::clone(&self.mailbox),
+        };
+        match self.jobs.try_send(job) {
+            Ok(()) => {
+                self.parents[p as usize].asked = slice;
+                self.at_owner += 1;
+            }
+            Err(TrySendError::Full(_)) => {}
+            Err(TrySendError::Disconnected(_)) => self.parents[p as usize].waiting = NONE,
+        }
+    }
+
+    /// Route the parked requests again (a slice came in), asking for what is still
+    /// missing.
+    fn unpark(&mut self, loaded: Option<u64>) {
+        for _ in 0..self.parked.len() {
+            let Some(p) = self.parked.pop_front() else {
+                break;
+            };
+            let pr = &mut self.parents[p as usize];
+            if pr.waiting == NONE {
+                pr.errno = libc::EIO;
+                self.end_parent(p);
+                continue;
+            }
+            if loaded == Some(pr.asked) {
+                pr.asked = NONE;
+            }
+            if !self.route(p) {
+                self.ask(p);
+                self.parked.push_back(p);
+            }
+        }
+    }
+
+    /// Take the owner's answers and the wrapped engines' completions; retry what waits.
+    fn collect(&mut self) {
+        if self.at_owner > 0 || self.signalled {
+            self.signalled = false;
+            self.mailbox.take(&mut self.answers);
+            while let Some(a) = self.answers.pop_front() {
+                self.at_owner = self.at_owner.saturating_sub(1);
+                match a {
+                    Answer::Loaded { slice } => self.unpark(Some(slice)),
+                    Answer::Failed { slice, errno } => {
+                        for _ in 0..self.parked.len() {
+                            let Some(p) = self.parked.pop_front() else {
+                                break;
+                            };
+                            let pr = &mut self.parents[p as usize];
+                            if pr.waiting == slice {
+                                pr.errno = errno;
+                                self.end_parent(p);
+                            } else {
+                                self.parked.push_back(p);
+                            }
+                        }
+                    }
+                    Answer::Done { sub, result } => {
+                        self.sub_done(sub, result.map_err(io::Error::from_raw_os_error))
+                    }
+                }
+            }
+        }
+        let mut reaped = std::mem::take(&mut self.reaped);
+        self.inner.reap(&mut |c| reaped.push((c.token, c.result)));
+        if let Some(b) = self.backing.as_mut() {
+            b.reap(&mut |c| reaped.push((c.token, c.result)));
+        }
+        for (token, result) in reaped.drain(..) {
+            self.sub_done(token as u32, result);
+        }
+        self.reaped = reaped;
+        for _ in 0..self.blocked.len() {
+            let Some(s) = self.blocked.pop_front() else {
+                break;
+            };
+            if !self.push_sub(s) {
+                self.blocked.push_front(s);
+                break;
+            }
+        }
+        if self.parked.iter().any(|&p| {
+            let pr = &self.parents[p as usize];
+            pr.asked != pr.waiting
+        }) {
+            self.unpark(None);
+        }
+        if self.unsubmitted {
+            // Pieces routed here (a slice came in, an engine had room again) go out now:
+            // the worker may sleep next, and only their completions would wake it.
+            if let Err(e) = self.submit_wrapped() {
+                log::warn!("qcow2: submitting to the image's engines: {e}");
+            }
+        }
+    }
+
+    fn submit_wrapped(&mut self) -> io::Result<()> {
+        self.unsubmitted = false;
+        self.inner.submit()?;
+        if let Some(b) = self.backing.as_mut() {
+            b.submit()?;
+        }
+        Ok(())
+    }
+}
+
+impl Engine for Qcow2Engine {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    unsafe fn push(&mut self, token: u64, op: Op) -> Result<(), Full> {
+        if self.in_flight >= self.depth {
+            return Err(Full);
+        }
+        self.in_flight += 1;
+        match op {
+            Op::Read {
+                offset,
+                iov,
+                iovcnt,
+            } => {
+                let mut len = 0u64;
+                for i in 0..iovcnt as usize {
+                    // SAFETY: `iov` points to `iovcnt` iovecs (push's contract).
+                    len += unsafe { (*iov.add(i)).iov_len } as u64;
+                }
+                let size = self.image.size;
+                if !offset.is_multiple_of(512)
+                    || !len.is_multiple_of(512)
+                    || offset.saturating_add(len) > size
+                {
+                    self.finish(token, Err(io::Error::from_raw_os_error(libc::EINVAL)));
+                    return Ok(());
+                }
+                let p = self.new_parent(Parent {
+                    token,
+                    offset,
+                    len,
+                    iov,
+                    iovcnt,
+                    pending: 0,
+                    errno: 0,
+                    waiting: NONE,
+                    asked: NONE,
+                });
+                if !self.route(p) {
+                    self.ask(p);
+                    self.parked.push_back(p);
+                }
+            }
+            // Nothing is ever written: the image is served read-only.
+            Op::Flush => self.finish(token, Ok(0)),
+            Op::Write { .. } | Op::Discard { .. } | Op::WriteZeroes { .. } => {
+                self.finish(token, Err(io::Error::from_raw_os_error(libc::EBADF)))
+            }
+        }
+        Ok(())
+    }
+
+    fn submit(&mut self) -> io::Result<()> {
+        self.submit_wrapped()?;
+        if !self.ready.is_empty() && !self.signalled {
+            // Completions finished here: make the completion fd say so.
+            self.mailbox.signal();
+            self.signalled = true;
+        }
+        Ok(())
+    }
+
+    fn reap(&mut self, f: &mut dyn FnMut(Completion)) -> usize {
+        self.collect();
+        let n = self.ready.len();
+        for c in self.ready.drain(..) {
+            f(c);
+        }
+        self.in_flight -= n;
+        n
+    }
+
+    fn wait(&mut self) -> io::Result<()> {
+        loop {
+            self.collect();
+            if !self.ready.is_empty() || self.in_flight == 0 {
+                return Ok(());
+            }
+            self.submit()?;
+            let mut pfd = libc::pollfd {
+                fd: self.epoll.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one live pollfd. A bounded wait: work refused by a full engine or
+            // channel is retried even if nothing signals.
+            unsafe { libc::poll(&mut pfd, 1, 100) };
+        }
+    }
+
+    fn notify_fd(&self) -> Option<RawFd> {
+        Some(self.epoll.as_raw_fd())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    fn backlog(&self) -> usize {
+        self.blocked.len()
+            + self
+                .parked
+                .iter()
+                .filter(|&&p| {
+                    let pr = &self.parents[p as usize];
+                    pr.asked != pr.waiting
+                })
+                .count()
+            + self.inner.backlog()
+            + self.backing.as_ref().map_or(0, |b| b.backlog())
+    }
+}
+
+impl Drop for Qcow2Engine {
+    fn drop(&mut self) {
+        // The owner may still be reading into buffers of ours: wait for its answers.
+        while self.at_owner > 0 && self.image.owner_alive() {
+            let mut pfd = libc::pollfd {
+                fd: self.mailbox.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one live pollfd.
+            unsafe { libc::poll(&mut pfd, 1, 1000) };
+            self.mailbox.take(&mut self.answers);
+            self.at_owner = self.at_owner.saturating_sub(self.answers.len());
+            self.answers.clear();
+        }
+    }
+}

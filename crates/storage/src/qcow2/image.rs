@@ -1,0 +1,307 @@
+//! Opening a qcow2 image to serve it: its header and L1 table checked, its backing chain
+//! opened from the files the command line names (never from a name the image holds on
+//! its own), the translation table sized, the metadata owner started.
+
+use std::cell::RefCell;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use super::header::Header;
+use super::meta::{Meta, Source};
+use super::owner::{Job, Owner, Reader};
+use super::table::Table;
+use crate::backend::{Backend, OpenOptions};
+use crate::error::Error;
+use crate::format::Format;
+
+/// A backing file named on the command line: `PATH[,format=raw|qcow2]`. Without a
+/// format, the one the image's header records for its backing file is used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackingFile {
+    /// The file.
+    pub path: PathBuf,
+    /// Its format, when the user says.
+    pub format: Option<Format>,
+}
+
+impl std::str::FromStr for BackingFile {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<BackingFile, String> {
+        let (path, format) = match s.rsplit_once(",format=") {
+            Some((p, f)) => (p, Some(f.parse::<Format>()?)),
+            None => (s, None),
+        };
+        if path.is_empty() {
+            return Err(format!("{s:?}: expected PATH or PATH,format=raw|qcow2"));
+        }
+        Ok(BackingFile {
+            path: PathBuf::from(path),
+            format,
+        })
+    }
+}
+
+impl std::fmt::Display for BackingFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.path.display())?;
+        if let Some(format) = self.format {
+            write!(f, ",format={format}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The most L2 slices the translation table holds (4 KiB each): 8 MiB, which maps
+/// 64 GiB of guest space with 64 KiB clusters, as QEMU's largest default L2 cache does.
+const MAX_TABLE_SLICES: u64 = 2048;
+/// Jobs a worker may have waiting at the owner, over all its engines.
+const JOB_QUEUE: usize = 1024;
+
+/// An opened qcow2 image, shared by every engine on it.
+pub struct Image {
+    pub(crate) size: u64,
+    pub(crate) cluster_bits: u32,
+    pub(crate) table: Arc<Table>,
+    pub(crate) backing: Option<Arc<Backend>>,
+    pub(crate) backing_size: u64,
+    pub(crate) container: Arc<Backend>,
+    header: Header,
+    backing_format: Option<Format>,
+    jobs: Mutex<Option<SyncSender<Job>>>,
+    owner: Option<JoinHandle<()>>,
+}
+
+impl Image {
+    /// A sender of jobs for a new engine.
+    pub(crate) fn jobs(&self) -> SyncSender<Job> {
+        let jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        match jobs.as_ref() {
+            Some(j) => j.clone(),
+            // Unreachable while the image lives; a sender whose receiver is gone makes
+            // every job fail with EIO, never hang.
+            None => sync_channel(0).0,
+        }
+    }
+
+    /// Whether the owner thread still runs.
+    pub(crate) fn owner_alive(&self) -> bool {
+        self.owner.as_ref().is_some_and(|h| !h.is_finished())
+    }
+
+    /// The image's header.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// The backing file, opened read-only, and its format.
+    pub fn backing(&self) -> Option<(&Arc<Backend>, Format)> {
+        self.backing
+            .as_ref()
+            .map(|b| (b, self.backing_format.unwrap_or(Format::Raw)))
+    }
+
+    /// The image file's size in bytes.
+    pub fn file_size(&self) -> u64 {
+        self.container.size()
+    }
+}
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        // The owner returns once every sender is gone; engines (which hold theirs) are
+        // gone already, as they hold the image.
+        self.jobs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(h) = self.owner.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Open the qcow2 image in `container` (the file at `path`, opened and locked as a raw
+/// file, read-only). `align` is what O_DIRECT needs of metadata reads (1 without it).
+/// `chain` holds the (device, inode) of every image above this one.
+pub(crate) fn open(
+    path: &Path,
+    container: Backend,
+    align: u64,
+    opts: &OpenOptions,
+    chain: &mut Vec<(u64, u64)>,
+) -> Result<Image, Error> {
+    let fail = |why: String| Error::Qcow2 {
+        path: path.to_owned(),
+        why,
+    };
+    let Some(file) = container.file.as_ref() else {
+        return Err(fail("not a file".into()));
+    };
+    let st = file.metadata().map_err(|e| fail(format!("fstat: {e}")))?;
+    if chain.contains(&(st.dev(), st.ino())) {
+        return Err(fail(
+            "the backing chain comes back to this file: a loop (each --backing must be a different file)".into(),
+        ));
+    }
+    chain.push((st.dev(), st.ino()));
+    if !opts.read_only {
+        return Err(fail(
+            "vblk serves qcow2 images read-only for now: add --read-only, or convert it to raw (qemu-img convert -O raw)".into(),
+        ));
+    }
+    let reader = Reader {
+        file,
+        align,
+        buf: RefCell::new(None),
+    };
+    let file_size = container.size();
+    let mut head = vec![0u8; file_size.min(2 << 20) as usize];
+    reader
+        .read_exact_at(&mut head, 0)
+        .map_err(|e| fail(format!("reading the header: {e}")))?;
+    let header = Header::parse(&head, file_size).map_err(|e| fail(e.to_string()))?;
+    if header.size == 0 {
+        return Err(fail("its virtual size is 0".into()));
+    }
+    let meta = Meta::open(&reader, header.clone(), 4).map_err(|e| fail(e.to_string()))?;
+    drop(reader);
+
+    let (backing, backing_format) = open_backing(path, &header, opts, chain, &fail)?;
+    let per_slice = meta.slice_clusters();
+    let clusters = header.size.div_ceil(header.cluster_size());
+    let slices = clusters.div_ceil(per_slice).min(MAX_TABLE_SLICES);
+    let table = Arc::new(Table::new(slices as usize, per_slice));
+    let (tx, rx) = sync_channel(JOB_QUEUE);
+    let container = Arc::new(container);
+    let owner = Owner {
+        meta,
+        table: Arc::clone(&table),
+        name: path.display().to_string(),
+        input: Vec::new(),
+        cluster: vec![0; header.cluster_size() as usize],
+        inflater: Box::default(),
+    };
+    let c = Arc::clone(&container);
+    let handle = std::thread::Builder::new()
+        .name("vblk-qcow2".into())
+        .spawn(move || {
+            if let Some(file) = c.file.as_ref() {
+                let reader = Reader {
+                    file,
+                    align,
+                    buf: RefCell::new(None),
+                };
+                owner.run(&reader, rx);
+            }
+        })
+        .map_err(|e| fail(format!("starting its metadata thread: {e}")))?;
+    log::info!(
+        "{}: qcow2 version {}, {} bytes virtual, clusters of {} bytes, translation table of {slices} slices{}",
+        path.display(),
+        header.version,
+        header.size,
+        header.cluster_size(),
+        match &backing {
+            Some(b) => format!(
+                ", backing file {}",
+                b.path().map(|p| p.display().to_string()).unwrap_or_default()
+            ),
+            None => String::new(),
+        }
+    );
+    Ok(Image {
+        size: header.size,
+        cluster_bits: header.cluster_bits,
+        table,
+        backing_size: backing.as_ref().map_or(0, |b| b.size()),
+        backing,
+        container,
+        header,
+        backing_format,
+        jobs: Mutex::new(Some(tx)),
+        owner: Some(handle),
+    })
+}
+
+/// The backing file the header names, opened from the first `--backing`.
+fn open_backing(
+    path: &Path,
+    header: &Header,
+    opts: &OpenOptions,
+    chain: &mut Vec<(u64, u64)>,
+    fail: &dyn Fn(String) -> Error,
+) -> Result<(Option<Arc<Backend>>, Option<Format>), Error> {
+    let named = header
+        .backing_name
+        .as_deref()
+        .map(|n| String::from_utf8_lossy(n).into_owned());
+    let recorded = header
+        .backing_format
+        .as_deref()
+        .map(|n| String::from_utf8_lossy(n).into_owned());
+    let given = opts.backing.first();
+    let (name, b) = match (named, given) {
+        (None, None) => return Ok((None, None)),
+        (None, Some(b)) => {
+            return Err(fail(format!(
+                "it has no backing file, yet --backing names {} (one --backing per image below it, in order)",
+                b.path.display()
+            )))
+        }
+        (Some(name), None) => {
+            return Err(fail(format!(
+                "its header names the backing file {name:?}{}; vblk opens only backing files named on its command line: add --backing PATH (it is opened read-only)",
+                recorded
+                    .as_deref()
+                    .map(|f| format!(" (format {f})"))
+                    .unwrap_or_default()
+            )))
+        }
+        (Some(name), Some(b)) => (name, b),
+    };
+    let format = match (b.format, recorded.as_deref()) {
+        (Some(f), _) => f,
+        (None, Some(f)) => f.parse::<Format>().map_err(|e| {
+            fail(format!(
+                "its header records the backing format {e}; name it: --backing {},format=raw|qcow2",
+                b.path.display()
+            ))
+        })?,
+        (None, None) => {
+            return Err(fail(format!(
+                "its header does not record its backing file's format: name it, --backing {},format=raw or ,format=qcow2",
+                b.path.display()
+            )))
+        }
+    };
+    // The header's name, resolved as QEMU resolves it (relative to the image's
+    // directory), is only looked at, never opened: it must not be a different file
+    // than the one named on the command line, if it exists.
+    let resolved = match Path::new(&name) {
+        p if p.is_absolute() => p.to_owned(),
+        p => path.parent().unwrap_or(Path::new(".")).join(p),
+    };
+    let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    let given_id =
+        id(&b.path).ok_or_else(|| fail(format!("--backing {}: no such file", b.path.display())))?;
+    if let Some(named_id) = id(&resolved) {
+        if named_id != given_id {
+            return Err(fail(format!(
+                "its header names the backing file {name:?} ({}), which is not {} given by --backing; if the base moved, `qemu-img rebase -u -b NEW -F FORMAT` records where",
+                resolved.display(),
+                b.path.display()
+            )));
+        }
+    }
+    let mut o = opts.clone();
+    o.read_only = true;
+    o.image.format = Some(format);
+    o.image.incoming = false;
+    o.backing = opts.backing[1..].to_vec();
+    let backing = crate::backend::open_in_chain(&b.path, &o, chain)?;
+    Ok((Some(Arc::new(backing)), Some(format)))
+}
