@@ -31,12 +31,17 @@
 #                                       the slow-disk check: polling must not burn a core
 #                                       waiting for the disk)
 #   file-baseline                       the same file through io_uring with no virtio
+#   qcow2-qd1, qcow2-qd32               the same data as a fully allocated qcow2 image
+#                                       (qemu-img convert), O_DIRECT: vblk (--format qcow2
+#                                       --read-only) vs vblk on the raw file vs
+#                                       qemu-storage-daemon's qcow2 driver, in its main
+#                                       loop and in an IOThread (both aio=io_uring)
 # Needs qemu-storage-daemon (Debian: qemu-system-common) and taskset (util-linux).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPEAT=${1:-3}
 RUNTIME=${2:-5}
-TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline"}
+TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline qcow2-qd1 qcow2-qd32"}
 cargo build --release -q -p vblk
 V=$PWD/target/release/vblk
 D=$(mktemp -d /var/tmp/vblk-devices.XXXXXX)
@@ -130,4 +135,19 @@ if want file-qd1 || want file-qd32 || want file-baseline; then
       --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g --repeat "$REPEAT" \
       --disk "$IMG" --cache none --compare target=embedded,baseline
   fi
+fi
+
+if want qcow2-qd1 || want qcow2-qd32; then
+  QIMG=$D/disk.qcow2
+  qemu-img convert -O qcow2 "$IMG" "$QIMG"
+  sync
+  vblk vblk-qcow2 "$QIMG" --cache none --format qcow2 --read-only
+  vblk vblk-raw "$IMG" --cache none --read-only
+  Q="driver=qcow2,file.driver=file,file.filename=$QIMG,file.cache.direct=on,file.aio=io_uring,file.locking=off"
+  qsd qsd-qcow2 "$Q"
+  qsd qsd-qcow2-iothread "$Q" iothread
+  QCOW="socket=$(sock vblk-qcow2),$(sock vblk-raw),$(sock qsd-qcow2),$(sock qsd-qcow2-iothread)"
+  want qcow2-qd1 && bench "qcow2-qd1: fully allocated qcow2 on an O_DIRECT file, QD1" --iodepth=1 --compare "$QCOW"
+  want qcow2-qd32 && bench "qcow2-qd32: fully allocated qcow2 on an O_DIRECT file, QD32" --iodepth=32 --compare "$QCOW"
+  stop_all
 fi

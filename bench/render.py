@@ -54,6 +54,16 @@ SECTIONS = [
          "file-baseline"],
     ),
     (
+        "qcow2 images (bench/devices.sh)",
+        "The 1 GiB file of the tables above converted to qcow2 (`qemu-img convert -O "
+        "qcow2`: every cluster allocated, 64 KiB clusters), read with O_DIRECT. "
+        "vblk-qcow2: `--format qcow2 --read-only` (vblk serves qcow2 read-only for now); "
+        "vblk-raw: the raw file, also read-only; qsd-qcow2 and qsd-qcow2-iothread: "
+        "qemu-storage-daemon's qcow2 driver over `aio=io_uring`, in its main loop and in "
+        "an IOThread.",
+        ["qcow2-qd1", "qcow2-qd32"],
+    ),
+    (
         "NBD disks: `vblk serve` vs qemu-storage-daemon on one nbdkit export (bench/nbd.sh)",
         "Both devices serve the same nbdkit `memory` export over a Unix socket (devices on "
         "CPU 1, the benchmark on CPU 0, nbdkit where the scheduler puts it). vblk: its "
