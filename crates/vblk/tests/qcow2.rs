@@ -1,7 +1,8 @@
 //! qcow2 images served by `vblk serve --format qcow2 --read-only`: a frontend (vblk's
 //! driver) reads what `qemu-img convert` reads from a qcow2 over a smaller raw backing
-//! file, writes are refused, `vblk stats` shows the format and the chain; an image whose
-//! backing file the command line does not name is refused with the way out.
+//! file, writes are refused, `vblk stats` shows the format and the chain; a Linux guest
+//! (QEMU, TCG) sees a read-only disk whose bytes hash as QEMU's do, through two queues;
+//! an image whose backing file the command line does not name is refused with the way out.
 
 mod support;
 
@@ -13,6 +14,7 @@ use std::time::Duration;
 use driver::{Disk, DiskOptions};
 use serde_json::Value;
 use support::daemon::{Backend, Daemon, Export};
+use support::guest::Guest;
 use support::util::{run_to_exit, temp_dir, within};
 
 fn tool(dir: &Path, program: &str, args: &[&str]) {
@@ -181,4 +183,59 @@ fn a_backing_file_the_command_line_does_not_name_is_not_opened() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "served writable: {err}");
     assert!(err.contains("read-only for now"), "{err}");
+}
+
+#[test]
+fn a_guest_reads_a_qcow2_chain_as_qemu_reads_it() {
+    let dir = temp_dir("qcow2-guest");
+    let d = dir.path();
+    images(d);
+    let out = Command::new("md5sum")
+        .arg(d.join("want.raw"))
+        .output()
+        .expect("md5sum (coreutils)");
+    let md5 = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+    let base = d.join("base.raw");
+    let top = d.join("top.qcow2");
+    let sock = d.join("vblk.sock");
+    let daemon = Daemon::start_vblk(
+        "vblk",
+        &[
+            "--socket-path",
+            sock.to_str().unwrap(),
+            "--num-queues",
+            "2",
+            "--format",
+            "qcow2",
+            "--read-only",
+            "--backing",
+            base.to_str().unwrap(),
+            "--blk-file",
+            top.to_str().unwrap(),
+        ],
+        &sock,
+        &d.join("vblk.log"),
+    );
+    let script = format!(
+        r#"
+check_eq read-only "$(cat /sys/block/vda/ro)" 1
+check_eq size "$(cat /sys/block/vda/size)" {sectors}
+check_eq md5 "$(md5sum /dev/vda | cut -d' ' -f1)" {md5}
+echo 3 > /proc/sys/vm/drop_caches
+check_eq md5-again "$(md5sum /dev/vda | cut -d' ' -f1)" {md5}
+check_fails write dd if=/dev/zero of=/dev/vda bs=4096 count=1 conv=fsync
+"#,
+        sectors = (32 << 20) / 512,
+    );
+    let boot = Guest::new("qcow2-chain")
+        .disk(&daemon.socket, 2)
+        .attach_log("vblk serve", &daemon.log)
+        .watch("vblk serve", daemon.pid())
+        .script(script)
+        .boot();
+    boot.assert_ok(&["read-only", "size", "md5", "md5-again", "write"]);
 }
