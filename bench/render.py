@@ -57,7 +57,7 @@ SECTIONS = [
         "qcow2 images (bench/devices.sh)",
         "The 1 GiB file of the tables above converted to qcow2 (`qemu-img convert -O "
         "qcow2`: every cluster allocated, 64 KiB clusters), read with O_DIRECT. "
-        "vblk-qcow2: `--format qcow2 --read-only` (vblk serves qcow2 read-only for now); "
+        "vblk-qcow2: `--format qcow2 --read-only`; "
         "vblk-raw: the raw file, also read-only; qsd-qcow2 and qsd-qcow2-iothread: "
         "qemu-storage-daemon's qcow2 driver over `aio=io_uring`, in its main loop and in "
         "an IOThread.",

@@ -412,6 +412,12 @@ impl Backend {
         self.serial.clone()
     }
 
+    /// The file grew to at least `end` bytes (a qcow2 image's owner allocated clusters at
+    /// its end): engines' bounds follow.
+    pub(crate) fn grow_to(&self, end: u64) {
+        self.size.fetch_max(end, Ordering::Relaxed);
+    }
+
     /// The qcow2 image this backend serves, if it is one.
     pub fn qcow2(&self) -> Option<&crate::qcow2::Image> {
         self.qcow2.as_deref()
@@ -517,6 +523,9 @@ impl Backend {
     /// Make every completed write durable (`fdatasync`); nothing to do for RAM and null
     /// disks. For a clean shutdown: engines flush only when asked.
     pub fn flush(&self) -> io::Result<()> {
+        if let Some(image) = &self.qcow2 {
+            return image.flush();
+        }
         match (self.kind, self.read_only) {
             (BackendKind::File | BackendKind::BlockDevice, false) => {
                 crate::sysio::fdatasync(self.fd())
@@ -764,8 +773,14 @@ fn qcow2_over(
     let image = crate::qcow2::image::open(&path, container, align, opts, chain)?;
     let mut b = Backend::bare(kind, image.size, &serial, opts);
     b.path = Some(path);
+    // The chain's largest block: what O_DIRECT needs of every file in it.
+    let mut lbs = lbs;
+    let mut below = image.backing.clone();
+    while let Some(bk) = below {
+        lbs = lbs.max(bk.logical_block_size);
+        below = bk.qcow2().and_then(|i| i.backing.clone());
+    }
     b.logical_block_size = lbs;
-    b.read_only = true;
     b.qcow2 = Some(Arc::new(image));
     Ok(b)
 }

@@ -25,8 +25,7 @@ use std::path::{Path, PathBuf};
 pub enum Format {
     /// The bytes are the disk.
     Raw,
-    /// A qcow2 image (served read-only for now, with its backing chain as named on the
-    /// command line).
+    /// A qcow2 image, with its backing chain as named on the command line.
     Qcow2,
 }
 
@@ -314,10 +313,10 @@ pub(crate) fn refusal(path: &Path, format: ImageFormat, read_only: bool) -> Stri
              driver=luks,key-secret=key,file.filename={p} -O raw {o}"
         ),
         ImageFormat::Qcow2 { .. } => format!(
-            "{p} is {format}, not raw: {harm}. Serve it read-only with --format qcow2 \
-             --read-only (and --backing for its backing chain), or convert it: qemu-img \
-             convert -f qcow2 -O raw {p} {o}, or pass --format raw if you really mean to \
-             serve the bytes as they are"
+            "{p} is {format}, not raw: {harm}. Serve it as qcow2 with --format qcow2 (and \
+             --backing for its backing chain), or convert it: qemu-img convert -f qcow2 -O \
+             raw {p} {o}, or pass --format raw if you really mean to serve the bytes as \
+             they are"
         ),
         _ => format!(
             "{p} is {format}, not raw: {harm}. Convert it: qemu-img convert -f {} -O raw {p} \
@@ -468,10 +467,9 @@ mod tests {
         assert_eq!(
             m,
             "disk.img is a qcow2 image (version 3), not raw: serving it raw would let the guest \
-             overwrite its metadata. Serve it read-only with --format qcow2 --read-only (and \
-             --backing for its backing chain), or convert it: qemu-img convert -f qcow2 -O raw \
-             disk.img disk.raw, or pass --format raw if you really mean to serve the bytes as \
-             they are"
+             overwrite its metadata. Serve it as qcow2 with --format qcow2 (and --backing for \
+             its backing chain), or convert it: qemu-img convert -f qcow2 -O raw disk.img \
+             disk.raw, or pass --format raw if you really mean to serve the bytes as they are"
         );
         let m = refusal(Path::new("/v/x.raw"), ImageFormat::Vdi, true);
         assert!(

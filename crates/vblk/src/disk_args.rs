@@ -68,8 +68,8 @@ pub struct DiskArgs {
     #[arg(long)]
     pub incoming: bool,
 
-    /// Declare the image's format: `raw`, or `qcow2` (served read-only for now: add
-    /// `--read-only`) [default: probe: an image file or block device that holds qcow2,
+    /// Declare the image's format: `raw` or `qcow2` [default: probe: an image file or
+    /// block device that holds qcow2,
     /// QED, VMDK, VHDX, VDI, VHD, LUKS, Parallels, DMG, Bochs or cloop is refused, since a
     /// guest writing to one served raw destroys it]. Pass `--format raw` for disks a guest
     /// owns: a guest could write an image header into its own disk, and the next start
@@ -232,7 +232,7 @@ pub enum LockArg {
 pub enum FormatArg {
     /// The bytes are the disk; no probe.
     Raw,
-    /// A qcow2 image (read-only for now), with its backing chain from `--backing`.
+    /// A qcow2 image, with its backing chain from `--backing`.
     Qcow2,
 }
 

@@ -54,6 +54,8 @@ struct Run {
 
 struct Parent {
     token: u64,
+    /// Writes route to owned clusters in place, everything else to the owner.
+    write: Option<bool>,
     offset: u64,
     len: u64,
     iov: *const libc::iovec,
@@ -66,21 +68,39 @@ struct Parent {
     asked: u64,
 }
 
+/// What a piece does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Does {
+    Read,
+    Write {
+        durable: bool,
+    },
+    Zero {
+        unmap: bool,
+        discard: bool,
+        durable: bool,
+    },
+    Flush,
+}
+
 struct Sub {
     parent: u32,
     target: Target,
+    does: Does,
     at: u64,
     len: u64,
     iov: Vec<libc::iovec>,
 }
 
 /// The engine. Field order matters: the wrapped engines are dropped (waiting for what
-/// they carry) before the iovec arrays they read.
+/// they carry) before the iovec arrays they read, and the job sender before the image.
 pub(crate) struct Qcow2Engine {
     inner: Box<dyn Engine>,
     backing: Option<Box<dyn Engine>>,
-    image: Arc<Image>,
+    /// Before `image`: the owner returns (and an image dropped with the last engine
+    /// joins it) only once every sender is gone.
     jobs: SyncSender<Job>,
+    image: Arc<Image>,
     mailbox: Arc<Mailbox>,
     epoll: OwnedFd,
     depth: usize,
@@ -96,6 +116,8 @@ pub(crate) struct Qcow2Engine {
     runs: Vec<Run>,
     /// Jobs sent to the owner and not answered.
     at_owner: usize,
+    /// Slices asked of the owner and not answered: one Load per slice in flight.
+    loading: Vec<u64>,
     /// The mailbox's eventfd was signalled for completions finished in `push`.
     signalled: bool,
     /// Pieces were pushed to the wrapped engines since their last submit.
@@ -158,6 +180,7 @@ impl Qcow2Engine {
             reaped: Vec::with_capacity(depth),
             runs: Vec::with_capacity(16),
             at_owner: 0,
+            loading: Vec::with_capacity(16),
             signalled: false,
             unsubmitted: false,
             in_flight: 0,
@@ -166,6 +189,34 @@ impl Qcow2Engine {
 
     fn finish(&mut self, token: u64, result: io::Result<u64>) {
         self.ready.push_back(Completion { token, result });
+    }
+
+    fn in_bounds(&self, offset: u64, len: u64) -> bool {
+        offset.is_multiple_of(512)
+            && len.is_multiple_of(512)
+            && offset
+                .checked_add(len)
+                .is_some_and(|e| e <= self.image.size)
+    }
+
+    /// A request the owner does whole (flush, discard, write-zeroes): one piece.
+    fn send_whole(&mut self, token: u64, does: Does, offset: u64, len: u64) {
+        let p = self.new_parent(Parent {
+            token,
+            write: None,
+            offset,
+            len: 0,
+            iov: std::ptr::null(),
+            iovcnt: 0,
+            pending: 1,
+            errno: 0,
+            waiting: NONE,
+            asked: NONE,
+        });
+        let s = self.new_sub(p, Target::Owner, does, offset, len);
+        if !self.push_sub(s) {
+            self.blocked.push_back(s);
+        }
     }
 
     fn new_parent(&mut self, p: Parent) -> u32 {
@@ -218,12 +269,16 @@ impl Qcow2Engine {
                 self.parents[p as usize].waiting = c / table.per_slice();
                 return false;
             };
-            let (kind, at) = match e {
-                Entry::Unallocated if img.backing.is_some() => (Kind::Backing, off),
-                Entry::Unallocated | Entry::Zero => (Kind::Zero, 0),
-                Entry::Data(host) => (Kind::Data, host + in_c),
-                Entry::Slow => (Kind::Slow, off),
-                Entry::Corrupt => (Kind::Corrupt, 0),
+            let write = self.parents[p as usize].write;
+            let (kind, at) = match (e, write) {
+                (Entry::Corrupt, _) => (Kind::Corrupt, 0),
+                (Entry::Owned(host), _) => (Kind::Data, host + in_c),
+                // Not to be written in place: the owner writes it.
+                (_, Some(_)) => (Kind::Slow, off),
+                (Entry::Unallocated, None) if img.backing.is_some() => (Kind::Backing, off),
+                (Entry::Unallocated | Entry::Zero, None) => (Kind::Zero, 0),
+                (Entry::Data(host), None) => (Kind::Data, host + in_c),
+                (Entry::Slow, None) => (Kind::Slow, off),
             };
             let start = off - offset;
             match self.runs.last_mut() {
@@ -249,35 +304,43 @@ impl Qcow2Engine {
             return true;
         }
         let backing_size = self.image.backing_size;
-        let mut pending = 0;
+        let does = match self.parents[p as usize].write {
+            Some(durable) => Does::Write { durable },
+            None => Does::Read,
+        };
+        // Counted before any piece goes out: a piece can finish while we send the next.
+        let pending: u32 = self
+            .runs
+            .iter()
+            .map(|r| match r.kind {
+                Kind::Data | Kind::Slow => 1,
+                Kind::Backing => u32::from(backing_size > r.at),
+                Kind::Zero | Kind::Corrupt => 0,
+            })
+            .sum();
+        self.parents[p as usize].pending = pending + 1;
         for i in 0..self.runs.len() {
             let r = self.runs[i];
             match r.kind {
                 Kind::Zero => self.zero(p, r.start, r.len),
-                Kind::Data => {
-                    self.send(p, Target::Image, r.start, r.len, r.at);
-                    pending += 1;
-                }
+                Kind::Data => self.send(p, Target::Image, does, r.start, r.len, r.at),
                 Kind::Backing => {
                     // What lies past the end of a smaller backing file reads as zeroes.
                     let inside = backing_size.saturating_sub(r.at).min(r.len);
                     if inside > 0 {
-                        self.send(p, Target::Backing, r.start, inside, r.at);
-                        pending += 1;
+                        self.send(p, Target::Backing, does, r.start, inside, r.at);
                     }
                     if inside < r.len {
                         self.zero(p, r.start + inside, r.len - inside);
                     }
                 }
-                Kind::Slow => {
-                    self.send(p, Target::Owner, r.start, r.len, r.at);
-                    pending += 1;
-                }
+                Kind::Slow => self.send(p, Target::Owner, does, r.start, r.len, r.at),
                 Kind::Corrupt => {}
             }
         }
-        self.parents[p as usize].pending = pending;
-        if pending == 0 {
+        // The count's extra one, taken back now that every piece is out.
+        self.parents[p as usize].pending -= 1;
+        if self.parents[p as usize].pending == 0 {
             self.end_parent(p);
         }
         true
@@ -289,15 +352,15 @@ impl Qcow2Engine {
         unsafe { iov::zero(pr.iov, pr.iovcnt, start, len) };
     }
 
-    /// Make a piece of parent `p` (bytes `[start, start + len)` of it, at `at` on its
-    /// target) and send it.
-    fn send(&mut self, p: u32, target: Target, start: u64, len: u64, at: u64) {
+    /// A piece slot for parent `p`, with no buffers yet.
+    fn new_sub(&mut self, p: u32, target: Target, does: Does, at: u64, len: u64) -> u32 {
         let s = match self.free_subs.pop() {
             Some(i) => i,
             None => {
                 self.subs.push(Sub {
                     parent: 0,
                     target,
+                    does,
                     at: 0,
                     len: 0,
                     iov: Vec::new(),
@@ -305,18 +368,26 @@ impl Qcow2Engine {
                 (self.subs.len() - 1) as u32
             }
         };
+        let sub = &mut self.subs[s as usize];
+        sub.parent = p;
+        sub.target = target;
+        sub.does = does;
+        sub.at = at;
+        sub.len = len;
+        sub.iov.clear();
+        s
+    }
+
+    /// Make a piece of parent `p` (bytes `[start, start + len)` of it, at `at` on its
+    /// target) and send it.
+    fn send(&mut self, p: u32, target: Target, does: Does, start: u64, len: u64, at: u64) {
+        let s = self.new_sub(p, target, does, at, len);
         let (piov, pcnt) = {
             let pr = &self.parents[p as usize];
             (pr.iov, pr.iovcnt)
         };
-        let sub = &mut self.subs[s as usize];
-        sub.parent = p;
-        sub.target = target;
-        sub.at = at;
-        sub.len = len;
-        sub.iov.clear();
         // SAFETY: the request's iovecs, valid until it completes.
-        unsafe { iov::slice_into(piov, pcnt, start, len, &mut sub.iov) };
+        unsafe { iov::slice_into(piov, pcnt, start, len, &mut self.subs[s as usize].iov) };
         if !self.push_sub(s) {
             self.blocked.push_back(s);
         }
@@ -325,10 +396,19 @@ impl Qcow2Engine {
     /// Hand piece `s` to its target; false when the target is full.
     fn push_sub(&mut self, s: u32) -> bool {
         let sub = &self.subs[s as usize];
-        let op = Op::Read {
-            offset: sub.at,
-            iov: sub.iov.as_ptr(),
-            iovcnt: sub.iov.len() as u32,
+        let (iov, iovcnt) = (sub.iov.as_ptr(), sub.iov.len() as u32);
+        let op = match sub.does {
+            Does::Write { durable } => Op::Write {
+                offset: sub.at,
+                iov,
+                iovcnt,
+                durable,
+            },
+            _ => Op::Read {
+                offset: sub.at,
+                iov,
+                iovcnt,
+            },
         };
         match sub.target {
             Target::Image => {
@@ -347,13 +427,40 @@ impl Qcow2Engine {
                 None => false,
             },
             Target::Owner => {
-                let job = Job::Read {
-                    sub: s,
-                    offset: sub.at,
-                    len: sub.len,
-                    iov: sub.iov.as_ptr(),
-                    iovcnt: sub.iov.len() as u32,
-                    reply: Arc::clone(&self.mailbox),
+                let reply = Arc::clone(&self.mailbox);
+                let (offset, len) = (sub.at, sub.len);
+                let job = match sub.does {
+                    Does::Read => Job::Read {
+                        sub: s,
+                        offset,
+                        len,
+                        iov,
+                        iovcnt,
+                        reply,
+                    },
+                    Does::Write { durable } => Job::Write {
+                        sub: s,
+                        offset,
+                        len,
+                        iov,
+                        iovcnt,
+                        durable,
+                        reply,
+                    },
+                    Does::Zero {
+                        unmap,
+                        discard,
+                        durable,
+                    } => Job::Zero {
+                        sub: s,
+                        offset,
+                        len,
+                        unmap,
+                        discard,
+                        durable,
+                        reply,
+                    },
+                    Does::Flush => Job::Flush { sub: s, reply },
                 };
                 match self.jobs.try_send(job) {
                     Ok(()) => {
@@ -388,21 +495,13 @@ impl Qcow2Engine {
         }
     }
 
-    /// Ask the owner for parent `p`'s missing slice, unless it or another parked request
-    /// already did.
-    fn ask(&mut self, p: u32) {
+    /// Ask the owner for parent `p`'s missing slice, unless a question about it is out
+    /// already (its answer re-routes every parked request). False when the owner is gone.
+    fn ask(&mut self, p: u32) -> bool {
         let slice = self.parents[p as usize].waiting;
-        if self.parents[p as usize].asked == slice {
-            return;
-        }
-        if self
-            .parked
-            .iter()
-            .any(|&q| q != p && self.parents[q as usize].asked == slice)
-        {
-            // Its answer wakes every parked request.
+        if self.loading.contains(&slice) {
             self.parents[p as usize].asked = slice;
-            return;
+            return true;
         }
         let job = Job::Load {
             slice,
@@ -411,39 +510,53 @@ impl Qcow2Engine {
         match self.jobs.try_send(job) {
             Ok(()) => {
                 self.parents[p as usize].asked = slice;
+                self.loading.push(slice);
                 self.at_owner += 1;
+                true
             }
-            Err(TrySendError::Full(_)) => {}
-            Err(TrySendError::Disconnected(_)) => self.parents[p as usize].waiting = NONE,
+            // Asked again at the next submit or reap (backlog() counts it).
+            Err(TrySendError::Full(_)) => true,
+            Err(TrySendError::Disconnected(_)) => false,
         }
     }
 
-    /// Route the parked requests again (a slice came in), asking for what is still
-    /// missing.
+    /// Park parent `p` until its slice comes in, or end it with EIO if the owner is gone.
+    fn park(&mut self, p: u32) {
+        if self.ask(p) {
+            self.parked.push_back(p);
+        } else {
+            self.parents[p as usize].errno = libc::EIO;
+            self.end_parent(p);
+        }
+    }
+
+    /// Route the parked requests again (a slice came in, or one could not be asked for),
+    /// asking for what is still missing.
     fn unpark(&mut self, loaded: Option<u64>) {
+        if let Some(slice) = loaded {
+            self.loading.retain(|&s| s != slice);
+            for &p in &self.parked {
+                let pr = &mut self.parents[p as usize];
+                if pr.asked == slice {
+                    pr.asked = NONE;
+                }
+            }
+        }
         for _ in 0..self.parked.len() {
             let Some(p) = self.parked.pop_front() else {
                 break;
             };
-            let pr = &mut self.parents[p as usize];
-            if pr.waiting == NONE {
-                pr.errno = libc::EIO;
-                self.end_parent(p);
-                continue;
-            }
-            if loaded == Some(pr.asked) {
-                pr.asked = NONE;
-            }
             if !self.route(p) {
-                self.ask(p);
-                self.parked.push_back(p);
+                self.park(p);
             }
         }
     }
 
     /// Take the owner's answers and the wrapped engines' completions; retry what waits.
     fn collect(&mut self) {
-        if self.at_owner > 0 || self.signalled {
+        {
+            // Always: an answer taken with a later one's count left in the eventfd
+            // would leave the epoll set readable with nothing to do.
             self.signalled = false;
             self.mailbox.take(&mut self.answers);
             while let Some(a) = self.answers.pop_front() {
@@ -451,6 +564,7 @@ impl Qcow2Engine {
                 match a {
                     Answer::Loaded { slice } => self.unpark(Some(slice)),
                     Answer::Failed { slice, errno } => {
+                        self.loading.retain(|&s| s != slice);
                         for _ in 0..self.parked.len() {
                             let Some(p) = self.parked.pop_front() else {
                                 break;
@@ -460,6 +574,9 @@ impl Qcow2Engine {
                                 pr.errno = errno;
                                 self.end_parent(p);
                             } else {
+                                if pr.asked == slice {
+                                    pr.asked = NONE;
+                                }
                                 self.parked.push_back(p);
                             }
                         }
@@ -505,11 +622,19 @@ impl Qcow2Engine {
 
     fn submit_wrapped(&mut self) -> io::Result<()> {
         self.unsubmitted = false;
-        self.inner.submit()?;
-        if let Some(b) = self.backing.as_mut() {
-            b.submit()?;
+        let a = self.inner.submit();
+        let b = self.backing.as_mut().map_or(Ok(()), |b| b.submit());
+        if a.is_err() || b.is_err() {
+            self.unsubmitted = true;
         }
-        Ok(())
+        // An engine without a completion fd (sync) finished its work in submit: nothing
+        // will wake the worker for it, so the mailbox does.
+        let silent = |e: &dyn Engine| e.notify_fd().is_none() && e.in_flight() > 0;
+        if silent(self.inner.as_ref()) || self.backing.as_deref().is_some_and(silent) {
+            self.mailbox.signal();
+            self.signalled = true;
+        }
+        a.and(b)
     }
 }
 
@@ -544,6 +669,7 @@ impl Engine for Qcow2Engine {
                 }
                 let p = self.new_parent(Parent {
                     token,
+                    write: None,
                     offset,
                     len,
                     iov,
@@ -554,14 +680,81 @@ impl Engine for Qcow2Engine {
                     asked: NONE,
                 });
                 if !self.route(p) {
-                    self.ask(p);
-                    self.parked.push_back(p);
+                    self.park(p);
                 }
             }
-            // Nothing is ever written: the image is served read-only.
-            Op::Flush => self.finish(token, Ok(0)),
-            Op::Write { .. } | Op::Discard { .. } | Op::WriteZeroes { .. } => {
+            Op::Write {
+                offset,
+                iov,
+                iovcnt,
+                durable,
+            } => {
+                if !self.image.writable {
+                    self.finish(token, Err(io::Error::from_raw_os_error(libc::EBADF)));
+                    return Ok(());
+                }
+                let mut len = 0u64;
+                for i in 0..iovcnt as usize {
+                    // SAFETY: `iov` points to `iovcnt` iovecs (push's contract).
+                    len += unsafe { (*iov.add(i)).iov_len } as u64;
+                }
+                if !self.in_bounds(offset, len) {
+                    self.finish(token, Err(io::Error::from_raw_os_error(libc::EINVAL)));
+                    return Ok(());
+                }
+                let p = self.new_parent(Parent {
+                    token,
+                    write: Some(durable),
+                    offset,
+                    len,
+                    iov,
+                    iovcnt,
+                    pending: 0,
+                    errno: 0,
+                    waiting: NONE,
+                    asked: NONE,
+                });
+                if !self.route(p) {
+                    self.park(p);
+                }
+            }
+            Op::Flush if !self.image.writable => self.finish(token, Ok(0)),
+            Op::Discard { .. } | Op::WriteZeroes { .. } if !self.image.writable => {
                 self.finish(token, Err(io::Error::from_raw_os_error(libc::EBADF)))
+            }
+            Op::Flush => self.send_whole(token, Does::Flush, 0, 0),
+            Op::Discard {
+                offset,
+                len,
+                durable,
+            } => {
+                let does = Does::Zero {
+                    unmap: true,
+                    discard: true,
+                    durable,
+                };
+                if self.in_bounds(offset, len) {
+                    self.send_whole(token, does, offset, len)
+                } else {
+                    self.finish(token, Err(io::Error::from_raw_os_error(libc::EINVAL)))
+                }
+            }
+            Op::WriteZeroes {
+                offset,
+                len,
+                unmap,
+                durable,
+            } => {
+                let does = Does::Zero {
+                    unmap,
+                    discard: false,
+                    durable,
+                };
+                if self.in_bounds(offset, len) {
+                    self.send_whole(token, does, offset, len)
+                } else {
+                    self.finish(token, Err(io::Error::from_raw_os_error(libc::EINVAL)))
+                }
             }
         }
         Ok(())

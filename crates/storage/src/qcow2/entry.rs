@@ -47,6 +47,17 @@ pub enum Mapping {
     },
 }
 
+/// The standard L2 entry for a mapping vblk writes (never a compressed one: vblk does
+/// not compress; that case encodes as unallocated).
+pub fn encode_l2(m: Mapping) -> u64 {
+    match m {
+        Mapping::Unallocated | Mapping::Compressed { .. } => 0,
+        Mapping::Zero { host: None } => ZERO,
+        Mapping::Zero { host: Some(h) } => h | ZERO | COPIED,
+        Mapping::Data { host, copied } => host | if copied { COPIED } else { 0 },
+    }
+}
+
 /// A table entry that cannot be right.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EntryError {

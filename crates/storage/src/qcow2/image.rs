@@ -2,17 +2,19 @@
 //! opened from the files the command line names (never from a name the image holds on
 //! its own), the translation table sized, the metadata owner started.
 
-use std::cell::RefCell;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
+use super::fileio::FileIo;
 use super::header::Header;
 use super::meta::{Meta, Source};
-use super::owner::{Job, Owner, Reader};
+use super::owner::{Answer, Job, Mailbox, Owner};
+use super::refcount::Refcounts;
 use super::table::Table;
+use super::write::Writer;
 use crate::backend::{Backend, OpenOptions};
 use crate::error::Error;
 use crate::format::Format;
@@ -58,12 +60,15 @@ impl std::fmt::Display for BackingFile {
 /// The most L2 slices the translation table holds (4 KiB each): 8 MiB, which maps
 /// 64 GiB of guest space with 64 KiB clusters, as QEMU's largest default L2 cache does.
 const MAX_TABLE_SLICES: u64 = 2048;
-/// Jobs a worker may have waiting at the owner, over all its engines.
+/// Jobs waiting at an image's owner, from all its engines (an engine whose job does not
+/// fit retries at its next submit or reap).
 const JOB_QUEUE: usize = 1024;
 
 /// An opened qcow2 image, shared by every engine on it.
 pub struct Image {
     pub(crate) size: u64,
+    /// Served writable (the owner allocates; workers write owned clusters in place).
+    pub(crate) writable: bool,
     pub(crate) cluster_bits: u32,
     pub(crate) table: Arc<Table>,
     pub(crate) backing: Option<Arc<Backend>>,
@@ -84,6 +89,41 @@ impl Image {
             // Unreachable while the image lives; a sender whose receiver is gone makes
             // every job fail with EIO, never hang.
             None => sync_channel(0).0,
+        }
+    }
+
+    /// Make every completed write durable, mappings included (a writable image; a
+    /// read-only one has nothing to flush). Blocks until the owner has done it.
+    pub(crate) fn flush(&self) -> std::io::Result<()> {
+        if !self.writable {
+            return Ok(());
+        }
+        let reply = Arc::new(Mailbox::new(1)?);
+        let job = Job::Flush {
+            sub: 0,
+            reply: Arc::clone(&reply),
+        };
+        if self.jobs().send(job).is_err() {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        let mut answers = std::collections::VecDeque::new();
+        loop {
+            let mut pfd = libc::pollfd {
+                fd: reply.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one live pollfd; bounded so that a dead owner is noticed.
+            unsafe { libc::poll(&mut pfd, 1, 1000) };
+            reply.take(&mut answers);
+            if let Some(Answer::Done { result, .. }) = answers.pop_front() {
+                return result
+                    .map(|_| ())
+                    .map_err(std::io::Error::from_raw_os_error);
+            }
+            if !self.owner_alive() {
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
         }
     }
 
@@ -148,16 +188,7 @@ pub(crate) fn open(
         ));
     }
     chain.push((st.dev(), st.ino()));
-    if !opts.read_only {
-        return Err(fail(
-            "vblk serves qcow2 images read-only for now: add --read-only, or convert it to raw (qemu-img convert -O raw)".into(),
-        ));
-    }
-    let reader = Reader {
-        file,
-        align,
-        buf: RefCell::new(None),
-    };
+    let reader = FileIo::new(file, align);
     let file_size = container.size();
     let mut head = vec![0u8; file_size.min(2 << 20) as usize];
     reader
@@ -167,7 +198,18 @@ pub(crate) fn open(
     if header.size == 0 {
         return Err(fail("its virtual size is 0".into()));
     }
-    let meta = Meta::open(&reader, header.clone(), 4).map_err(|e| fail(e.to_string()))?;
+    if align > 1 && header.cluster_size() < align {
+        return Err(fail(format!(
+            "its clusters ({} bytes) are smaller than what O_DIRECT needs here ({align} bytes): serve it with --cache writeback",
+            header.cluster_size()
+        )));
+    }
+    let meta = Meta::open(&reader, header.clone(), 16).map_err(|e| fail(e.to_string()))?;
+    let refs = if opts.read_only {
+        None
+    } else {
+        Some(writable(&reader, &header, file_size, opts).map_err(fail)?)
+    };
     drop(reader);
 
     let (backing, backing_format) = open_backing(path, &header, opts, chain, &fail)?;
@@ -177,6 +219,24 @@ pub(crate) fn open(
     let table = Arc::new(Table::new(slices as usize, per_slice));
     let (tx, rx) = sync_channel(JOB_QUEUE);
     let container = Arc::new(container);
+    let writer = match refs {
+        None => None,
+        Some(refs) => {
+            // Copy-on-write reads the backing file on the owner's thread, synchronously.
+            let sync = match &backing {
+                Some(b) => Some(b.engine(crate::EngineKind::Sync, 4)?),
+                None => None,
+            };
+            Some(Writer::new(
+                refs,
+                sync,
+                backing.as_ref().map_or(0, |b| b.size()),
+                Arc::clone(&container),
+                header.version,
+                header.cluster_size(),
+            ))
+        }
+    };
     let owner = Owner {
         meta,
         table: Arc::clone(&table),
@@ -184,18 +244,14 @@ pub(crate) fn open(
         input: Vec::new(),
         cluster: vec![0; header.cluster_size() as usize],
         inflater: Box::default(),
+        writer,
     };
     let c = Arc::clone(&container);
     let handle = std::thread::Builder::new()
         .name("vblk-qcow2".into())
         .spawn(move || {
             if let Some(file) = c.file.as_ref() {
-                let reader = Reader {
-                    file,
-                    align,
-                    buf: RefCell::new(None),
-                };
-                owner.run(&reader, rx);
+                owner.run(&FileIo::new(file, align), rx);
             }
         })
         .map_err(|e| fail(format!("starting its metadata thread: {e}")))?;
@@ -215,6 +271,7 @@ pub(crate) fn open(
     );
     Ok(Image {
         size: header.size,
+        writable: !opts.read_only,
         cluster_bits: header.cluster_bits,
         table,
         backing_size: backing.as_ref().map_or(0, |b| b.size()),
@@ -225,6 +282,32 @@ pub(crate) fn open(
         jobs: Mutex::new(Some(tx)),
         owner: Some(handle),
     })
+}
+
+/// What writing needs, checked and loaded: the header allows it, the refcounts are
+/// 16-bit and loaded, and autoclear feature bits (whose extensions vblk does not keep up
+/// to date, e.g. persistent bitmaps) are cleared in the file, as QEMU clears them.
+fn writable(
+    io: &FileIo<'_>,
+    header: &Header,
+    file_size: u64,
+    opts: &OpenOptions,
+) -> Result<Refcounts, String> {
+    header.check_writable()?;
+    if opts.image.incoming {
+        return Err("a qcow2 image is not yet served writable as a live migration's destination (--incoming)".into());
+    }
+    let refs = Refcounts::open(io, header, file_size)?;
+    if header.version >= 3 && header.autoclear != 0 {
+        io.write_all_at(&0u64.to_be_bytes(), 88)
+            .and_then(|()| io.sync())
+            .map_err(|e| format!("clearing its autoclear feature bits: {e}"))?;
+        log::info!(
+            "autoclear feature bits {:#x} cleared (their extensions are not kept up to date while vblk writes)",
+            header.autoclear
+        );
+    }
+    Ok(refs)
 }
 
 /// The backing file the header names, opened from the first `--backing`.

@@ -87,6 +87,23 @@ pub(crate) unsafe fn copy_in(iov: *const libc::iovec, iovcnt: u32, skip: u64, sr
     };
 }
 
+/// Copy bytes `[skip, skip + dst.len())` of the buffers into `dst`.
+///
+/// # Safety
+/// `iov` points to `iovcnt` iovecs whose buffers are valid for reads.
+pub(crate) unsafe fn copy_out(iov: *const libc::iovec, iovcnt: u32, skip: u64, dst: &mut [u8]) {
+    let mut at = 0usize;
+    let len = dst.len() as u64;
+    // SAFETY: each piece lies inside a buffer the caller lends us for reading, and we
+    // copy at most `dst.len()` bytes into `dst`.
+    unsafe {
+        for_each(iov, iovcnt, skip, len, |p, n| {
+            std::ptr::copy_nonoverlapping(p, dst.as_mut_ptr().add(at), n);
+            at += n;
+        })
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,5 +132,9 @@ mod tests {
         assert_eq!((out[0].iov_len, out[1].iov_len), (1, 3));
         assert_eq!(a, [1, 1, 0, 0]);
         assert_eq!(b, [0, 2, 2, 2, 7, 8]);
+        let mut out = [0u8; 4];
+        // SAFETY: as above.
+        unsafe { copy_out(iov.as_ptr(), 2, 3, &mut out) };
+        assert_eq!(out, [0, 0, 2, 2]);
     }
 }

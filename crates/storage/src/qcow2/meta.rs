@@ -238,9 +238,39 @@ impl Meta {
         })
     }
 
-    /// The image file's size when it was opened.
+    /// The image file's size as far as the metadata knows: when it was opened, or as
+    /// [`Meta::grow`] said since.
     pub fn file_size(&self) -> u64 {
         self.file_size
+    }
+
+    /// The file grew to `size` bytes (the writer allocated clusters at its end).
+    pub fn grow(&mut self, size: u64) {
+        self.file_size = self.file_size.max(size);
+    }
+
+    /// The L2 table of L1 entry `index`, if it has one.
+    pub fn l1_entry(&self, index: u64) -> Option<u64> {
+        self.l1.get(index as usize).copied().flatten()
+    }
+
+    /// The writer gave L1 entry `index` a table at `table`.
+    pub fn set_l1(&mut self, index: u64, table: u64) {
+        if let Some(e) = self.l1.get_mut(index as usize) {
+            *e = Some(table);
+        }
+    }
+
+    /// The writer changed guest cluster `cluster`'s mapping: the cached slice holding it,
+    /// if any, says so from now on.
+    pub fn set_l2(&mut self, cluster: u64, m: Mapping) {
+        let per_table = self.header.l2_entries();
+        let (l1_index, l2_index) = (cluster / per_table, cluster % per_table);
+        let slice_start = l2_index / SLICE_ENTRIES * SLICE_ENTRIES;
+        let key = l1_index * per_table + slice_start;
+        if let Some(s) = self.slots.iter_mut().find(|s| s.key == key) {
+            s.entries[(l2_index - slice_start) as usize] = m;
+        }
     }
 
     /// Guest clusters per slice: 512, or all of an L2 table when it holds fewer.
@@ -313,9 +343,9 @@ impl Meta {
                 Mapping::Data { host, .. } | Mapping::Zero { host: Some(host) } => {
                     check_placement(&self.reserved, "a data cluster", host, cluster)?;
                 }
-                Mapping::Compressed { host, bytes }
-                    if host.checked_add(bytes).is_none_or(|e| e > self.file_size) =>
-                {
+                // Compressed data may end past the end of the file (the reader reads
+                // what is there, as QEMU does); it must start inside it.
+                Mapping::Compressed { host, .. } if host >= self.file_size => {
                     return Err(MetaError::Placement {
                         what: "a compressed cluster",
                         offset: host,

@@ -1,26 +1,27 @@
-//! The metadata owner: one thread per image that alone reads its tables (blocking
-//! `pread`, never on a worker). Workers send it what their translation table cannot
-//! answer over a bounded channel: a slice to load into the table, or a read that needs it
-//! (a compressed cluster, a data cluster reaching past the end of the file). It answers in
-//! the asking engine's mailbox and signals the mailbox's eventfd, which sits in that
-//! engine's epoll set, so a worker sleeping on its engine wakes for it.
+//! The metadata owner: one thread per image that alone reads and writes its tables
+//! (blocking I/O, never on a worker). Workers send it what their translation table cannot
+//! answer over a bounded channel: a slice to load into the table, a read that needs it (a
+//! compressed cluster, a data cluster reaching past the end of the file), and every write
+//! that is not to a cluster the table says may be written in place (allocation and
+//! copy-on-write, write.rs), discards, write-zeroes and flushes. It answers in the asking
+//! engine's mailbox and signals the mailbox's eventfd, which sits in that engine's epoll
+//! set, so a worker sleeping on its engine wakes for it.
 
-use std::cell::RefCell;
 use std::collections::VecDeque;
-use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::FileExt;
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use miniz_oxide::inflate::core::{decompress, inflate_flags, DecompressorOxide};
 
 use super::entry::Mapping;
+use super::fileio::FileIo;
 use super::iov;
 use super::meta::{Meta, MetaError, Source};
 use super::table::{Entry, Table};
-use crate::bounce::AlignedBuf;
+use super::write::Writer;
 
 /// What a worker asks of the owner.
 pub(crate) enum Job {
@@ -35,9 +36,32 @@ pub(crate) enum Job {
         iovcnt: u32,
         reply: Arc<Mailbox>,
     },
+    /// Write the buffers to guest bytes `[offset, offset + len)` (inside one cluster).
+    Write {
+        sub: u32,
+        offset: u64,
+        len: u64,
+        iov: *const libc::iovec,
+        iovcnt: u32,
+        durable: bool,
+        reply: Arc<Mailbox>,
+    },
+    /// Discard (`discard`) or write zeroes to `[offset, offset + len)`; `unmap` allows
+    /// deallocating.
+    Zero {
+        sub: u32,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+        discard: bool,
+        durable: bool,
+        reply: Arc<Mailbox>,
+    },
+    /// Make every completed write durable, mappings included.
+    Flush { sub: u32, reply: Arc<Mailbox> },
 }
 
-// SAFETY: a Read job's buffers are lent to the owner under `Engine::push`'s contract: the
+// SAFETY: a Read or Write job's buffers are lent to the owner under `Engine::push`'s contract: the
 // engine that sent it keeps them valid and untouched until the answer comes back, and
 // waits for every answer before it is dropped.
 unsafe impl Send for Job {}
@@ -103,69 +127,6 @@ impl Mailbox {
     }
 }
 
-/// Reads metadata from the image file; through an aligned buffer when the file is open
-/// with O_DIRECT (`align` > 1), one that is kept and grown as needed.
-pub(crate) struct Reader<'a> {
-    pub(crate) file: &'a File,
-    pub(crate) align: u64,
-    pub(crate) buf: RefCell<Option<(AlignedBuf, usize)>>,
-}
-
-impl Source for Reader<'_> {
-    fn read_exact_at(&self, out: &mut [u8], offset: u64) -> io::Result<()> {
-        if self.align <= 1 {
-            return FileExt::read_exact_at(self.file, out, offset);
-        }
-        let a = self.align;
-        let start = offset / a * a;
-        let end = (offset + out.len() as u64).div_ceil(a) * a;
-        let need = (end - start) as usize;
-        let mut slot = self.buf.borrow_mut();
-        if slot.as_ref().is_none_or(|(_, len)| *len < need) {
-            *slot = Some((AlignedBuf::new(need, a as usize)?, need));
-        }
-        let Some((buf, _)) = slot.as_ref() else {
-            return Err(io::Error::from_raw_os_error(libc::ENOMEM));
-        };
-        let mut done = 0usize;
-        while done < need {
-            // SAFETY: the buffer holds `need` bytes; we read into its tail.
-            let n = unsafe {
-                libc::pread(
-                    self.file.as_raw_fd(),
-                    buf.as_mut_ptr().add(done).cast(),
-                    need - done,
-                    (start + done as u64) as libc::off_t,
-                )
-            };
-            match n {
-                n if n > 0 => done += n as usize,
-                0 => break,
-                _ => {
-                    let e = io::Error::last_os_error();
-                    if e.kind() != io::ErrorKind::Interrupted {
-                        return Err(e);
-                    }
-                }
-            }
-        }
-        let skip = (offset - start) as usize;
-        if done < skip + out.len() {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        // SAFETY: `done` bytes of the buffer were filled; we copy `out.len()` of them
-        // from `skip`, inside that.
-        unsafe {
-            std::ptr::copy_nonoverlapping(buf.as_mut_ptr().add(skip), out.as_mut_ptr(), out.len())
-        };
-        Ok(())
-    }
-
-    fn size(&self) -> io::Result<u64> {
-        Ok(self.file.metadata()?.len())
-    }
-}
-
 /// The owner thread's state.
 pub(crate) struct Owner {
     pub(crate) meta: Meta,
@@ -175,13 +136,37 @@ pub(crate) struct Owner {
     pub(crate) input: Vec<u8>,
     pub(crate) cluster: Vec<u8>,
     pub(crate) inflater: Box<DecompressorOxide>,
+    /// Writing state, for a writable image.
+    pub(crate) writer: Option<Writer>,
 }
+
+/// How long mappings of acknowledged writes wait in memory, at most, before the owner
+/// makes them durable on its own (a guest FLUSH does it at once).
+const WRITEBACK_AFTER: Duration = Duration::from_secs(1);
 
 impl Owner {
     /// Serve jobs until every sender is gone.
-    pub(crate) fn run(mut self, src: &Reader<'_>, jobs: Receiver<Job>) {
+    pub(crate) fn run(mut self, src: &FileIo<'_>, jobs: Receiver<Job>) {
         let mut corrupt_logged = false;
-        while let Ok(job) = jobs.recv() {
+        loop {
+            let job = if self.writer.as_ref().is_some_and(|w| w.pending()) {
+                match jobs.recv_timeout(WRITEBACK_AFTER / 4) {
+                    Ok(j) => Some(j),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                match jobs.recv() {
+                    Ok(j) => Some(j),
+                    Err(_) => break,
+                }
+            };
+            if self.writer.as_ref().is_some_and(|w| w.due(WRITEBACK_AFTER)) {
+                if let Err(e) = self.writeback(src) {
+                    log::error!("{}: writing mappings back: {e}", self.name);
+                }
+            }
+            let Some(job) = job else { continue };
             match job {
                 Job::Load { slice, reply } => {
                     let a = self.load(src, slice, &mut corrupt_logged);
@@ -196,27 +181,74 @@ impl Owner {
                     reply,
                 } => {
                     let result = self.read(src, offset, len, iov, iovcnt);
-                    if let Err(e) = &result {
-                        log::error!("{}: reading guest offset {offset}: {e}", self.name);
-                    }
-                    reply.post(Answer::Done {
-                        sub,
-                        result: result.map_err(|e| e.raw_os_error().unwrap_or(libc::EIO)),
-                    });
+                    self.answer(&reply, sub, "reading", offset, result);
+                }
+                Job::Write {
+                    sub,
+                    offset,
+                    len,
+                    iov,
+                    iovcnt,
+                    durable,
+                    reply,
+                } => {
+                    let result = self.write_job(src, offset, len, iov, iovcnt, durable);
+                    self.answer(&reply, sub, "writing", offset, result);
+                }
+                Job::Zero {
+                    sub,
+                    offset,
+                    len,
+                    unmap,
+                    discard,
+                    durable,
+                    reply,
+                } => {
+                    let result = self.zero_job(src, offset, len, unmap, discard, durable);
+                    self.answer(&reply, sub, "zeroing", offset, result);
+                }
+                Job::Flush { sub, reply } => {
+                    let result = self.flush_job(src).map(|()| 0);
+                    self.answer(&reply, sub, "flushing", 0, result);
                 }
             }
         }
+        // Every engine is gone: what they wrote gets its mappings on the disk.
+        if let Err(e) = self.writeback(src) {
+            log::error!("{}: writing mappings back at close: {e}", self.name);
+        }
     }
 
-    fn load(&mut self, src: &Reader<'_>, slice: u64, logged: &mut bool) -> Answer {
+    fn answer(&self, reply: &Mailbox, sub: u32, what: &str, offset: u64, result: io::Result<u64>) {
+        if let Err(e) = &result {
+            log::error!("{}: {what} guest offset {offset}: {e}", self.name);
+        }
+        reply.post(Answer::Done {
+            sub,
+            result: result.map_err(|e| e.raw_os_error().unwrap_or(libc::EIO)),
+        });
+    }
+
+    fn load(&mut self, src: &FileIo<'_>, slice: u64, logged: &mut bool) -> Answer {
         if self.table.holds(slice) {
             return Answer::Loaded { slice };
         }
         let cluster = self.meta.header().cluster_size();
         let file_size = self.meta.file_size();
+        let first = slice * self.table.per_slice();
+        let writer = self.writer.as_ref();
         match self.meta.slice(src, slice) {
             Ok(entries) => {
-                let it = entries.iter().map(|&m| Entry::of(m, cluster, file_size));
+                // Mappings written but not yet in the file come from the writer.
+                let it = entries.iter().enumerate().map(|(i, &m)| {
+                    let m = writer
+                        .and_then(|w| w.pending_mapping(first + i as u64))
+                        .unwrap_or(m);
+                    match writer {
+                        Some(w) => w.entry(first + i as u64, m, cluster, file_size),
+                        None => Entry::of(m, cluster, file_size),
+                    }
+                });
                 self.table.put(slice, it);
                 Answer::Loaded { slice }
             }
@@ -247,56 +279,27 @@ impl Owner {
     /// A cluster that needs the owner: compressed, or reaching past the end of the file.
     fn read(
         &mut self,
-        src: &Reader<'_>,
+        src: &FileIo<'_>,
         offset: u64,
         len: u64,
         iov: *const libc::iovec,
         iovcnt: u32,
     ) -> io::Result<u64> {
-        let eio = || io::Error::from_raw_os_error(libc::EIO);
-        let run = self.meta.lookup(src, offset, len).map_err(|_| eio())?;
-        if run.len != len {
-            return Err(eio());
-        }
         let cluster = self.meta.header().cluster_size();
         let in_cluster = offset & (cluster - 1);
-        let file_size = self.meta.file_size();
-        // The bytes to copy out, in `self.cluster[in_cluster..][..len]`.
-        match run.mapping {
+        if in_cluster + len > cluster {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        let m = self.current(src, offset / cluster)?;
+        match m {
             Mapping::Data { host, .. } => {
-                let host = host + in_cluster;
-                let have = file_size.saturating_sub(host).min(len) as usize;
                 let out = &mut self.cluster[..len as usize];
-                out[have..].fill(0);
-                if have > 0 {
-                    src.read_exact_at(&mut out[..have], host)?;
-                }
+                src.read_or_zero(out, host + in_cluster)?;
                 // SAFETY: the job's buffers, lent to us until we answer (Job's Send).
                 unsafe { iov::copy_in(iov, iovcnt, 0, out) };
                 return Ok(len);
             }
-            Mapping::Compressed { host, bytes } => {
-                let bytes = bytes.min(file_size.saturating_sub(host)) as usize;
-                if self.input.len() < bytes {
-                    self.input.resize(bytes, 0);
-                }
-                src.read_exact_at(&mut self.input[..bytes], host)?;
-                self.inflater.init();
-                let (_, _, written) = decompress(
-                    &mut self.inflater,
-                    &self.input[..bytes],
-                    &mut self.cluster,
-                    0,
-                    inflate_flags::TINFL_FLAG_USING_NON_WRAPPING_OUTPUT_BUF,
-                );
-                if written != cluster as usize {
-                    log::error!(
-                        "{}: a compressed cluster at {host:#x} inflates to {written} bytes, not {cluster}",
-                        self.name
-                    );
-                    return Err(eio());
-                }
-            }
+            Mapping::Compressed { host, bytes } => self.inflate(src, host, bytes)?,
             Mapping::Zero { .. } | Mapping::Unallocated => {
                 self.cluster[in_cluster as usize..][..len as usize].fill(0);
             }
@@ -305,5 +308,49 @@ impl Owner {
         // SAFETY: as above.
         unsafe { iov::copy_in(iov, iovcnt, 0, out) };
         Ok(len)
+    }
+
+    /// Guest cluster `gc`'s mapping now: the writer's, where it changed it and the file
+    /// does not say so yet, else the metadata's.
+    pub(crate) fn current(&mut self, src: &FileIo<'_>, gc: u64) -> io::Result<Mapping> {
+        if let Some(m) = self.writer.as_ref().and_then(|w| w.pending_mapping(gc)) {
+            return Ok(m);
+        }
+        let cluster = self.meta.header().cluster_size();
+        match self.meta.lookup(src, gc * cluster, cluster) {
+            Ok(run) => Ok(run.mapping),
+            Err(MetaError::Io(e)) => Err(e),
+            Err(e) => {
+                log::error!("{}: guest cluster {gc}: {e}", self.name);
+                Err(io::Error::from_raw_os_error(libc::EIO))
+            }
+        }
+    }
+
+    /// Decompress the cluster at `host` (at most `bytes` bytes of input) into
+    /// `self.cluster`.
+    pub(crate) fn inflate(&mut self, src: &FileIo<'_>, host: u64, bytes: u64) -> io::Result<()> {
+        let cluster = self.meta.header().cluster_size();
+        let bytes = bytes.min(self.meta.file_size().saturating_sub(host)) as usize;
+        if self.input.len() < bytes {
+            self.input.resize(bytes, 0);
+        }
+        src.read_exact_at(&mut self.input[..bytes], host)?;
+        self.inflater.init();
+        let (_, _, written) = decompress(
+            &mut self.inflater,
+            &self.input[..bytes],
+            &mut self.cluster,
+            0,
+            inflate_flags::TINFL_FLAG_USING_NON_WRAPPING_OUTPUT_BUF,
+        );
+        if written != cluster as usize {
+            log::error!(
+                "{}: a compressed cluster at {host:#x} inflates to {written} bytes, not {cluster}",
+                self.name
+            );
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        Ok(())
     }
 }

@@ -19,6 +19,9 @@ pub(crate) enum Entry {
     Zero,
     /// In the image file at this host offset (cluster-aligned), wholly inside the file.
     Data(u64),
+    /// As `Data`, and the cluster may be written in place: its refcount is 1 and the
+    /// mapping is durable in the file.
+    Owned(u64),
     /// Needs the owner: a compressed cluster, or a data cluster that reaches past the end
     /// of the file (the part past it reads as zeroes).
     Slow,
@@ -32,6 +35,7 @@ const ZERO: u64 = 1;
 const DATA: u64 = 2;
 const SLOW: u64 = 3;
 const CORRUPT: u64 = 4;
+const OWNED: u64 = 5;
 
 impl Entry {
     /// The entry for a checked mapping in an image file of `file_size` bytes with
@@ -40,8 +44,12 @@ impl Entry {
         match m {
             Mapping::Unallocated => Entry::Unallocated,
             Mapping::Zero { .. } => Entry::Zero,
-            Mapping::Data { host, .. } if host.saturating_add(cluster) <= file_size => {
-                Entry::Data(host)
+            Mapping::Data { host, copied } if host.saturating_add(cluster) <= file_size => {
+                if copied {
+                    Entry::Owned(host)
+                } else {
+                    Entry::Data(host)
+                }
             }
             Mapping::Data { .. } | Mapping::Compressed { .. } => Entry::Slow,
         }
@@ -53,6 +61,7 @@ impl Entry {
             Entry::Zero => ZERO,
             // Host offsets are cluster-aligned (at least 512), so the low bits are free.
             Entry::Data(host) => host | DATA,
+            Entry::Owned(host) => host | OWNED,
             Entry::Slow => SLOW,
             Entry::Corrupt => CORRUPT,
         }
@@ -63,6 +72,7 @@ impl Entry {
             UNALLOCATED => Entry::Unallocated,
             ZERO => Entry::Zero,
             DATA => Entry::Data(v & !KIND_MASK),
+            OWNED => Entry::Owned(v & !KIND_MASK),
             SLOW => Entry::Slow,
             _ => Entry::Corrupt,
         }
@@ -130,6 +140,21 @@ impl Table {
         s.seq.load(Ordering::Acquire) & 1 == 0 && s.key.load(Ordering::Relaxed) == slice
     }
 
+    /// Change guest cluster `cluster`'s entry, if its slice is in the table (the owner
+    /// only).
+    pub(crate) fn set(&self, cluster: u64, e: Entry) {
+        let slice = cluster / self.per_slice;
+        let s = self.slot(slice);
+        if s.key.load(Ordering::Relaxed) != slice {
+            return;
+        }
+        let seq = s.seq.load(Ordering::Relaxed);
+        s.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
+        fence(Ordering::Release);
+        s.entries[(cluster % self.per_slice) as usize].store(e.encode(), Ordering::Relaxed);
+        s.seq.store(seq.wrapping_add(2), Ordering::Release);
+    }
+
     /// Store slice `slice` (the owner only; `entries` has at most `per_slice` entries,
     /// the rest of the slot reads as unallocated).
     pub(crate) fn put(&self, slice: u64, entries: impl Iterator<Item = Entry>) {
@@ -178,6 +203,10 @@ mod tests {
         t.put(16, std::iter::once(Entry::Zero));
         assert_eq!(t.get(0), None);
         assert_eq!(t.get(16 * 512), Some(Entry::Zero));
+        t.set(16 * 512 + 1, Entry::Owned(0x20000));
+        assert_eq!(t.get(16 * 512 + 1), Some(Entry::Owned(0x20000)));
+        t.set(5, Entry::Zero); // slice 0 is not in the table: nothing changes
+        assert_eq!(t.get(5), None);
     }
 
     #[test]

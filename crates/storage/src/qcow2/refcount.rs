@@ -1,0 +1,181 @@
+//! Refcounts, for the writer (the metadata owner): the refcount table loaded whole, a few
+//! refcount blocks cached, 16-bit refcounts (QEMU's default; other widths are refused for
+//! writing at open). Clusters are allocated at the end of the file, never reused in a
+//! session: a cluster freed while a worker may still hold its old mapping is never handed
+//! out again here, so no grace period is needed.
+//!
+//! Order (QEMU's, so that a crash at any point only leaks clusters): a new cluster's
+//! content is written before its refcount, a new refcount block before the refcount
+//! table entry that points at it, and a refcount is dropped only after the mapping that
+//! used the cluster is durably gone (the writer's job).
+
+use std::io;
+
+use super::fileio::FileIo;
+use super::header::Header;
+use super::meta::Source;
+
+/// Refcount blocks kept in memory.
+const CACHED_BLOCKS: usize = 8;
+/// Clusters `reserve` looks at before it gives up on finding a free one.
+const RESERVE_TRIES: u32 = 1 << 20;
+
+pub(crate) struct Refcounts {
+    cluster_bits: u32,
+    reftable_offset: u64,
+    /// Host offsets of the refcount blocks (0: none yet).
+    reftable: Vec<u64>,
+    per_block: u64,
+    /// (block index, its refcounts), most recently used last.
+    cache: Vec<(u64, Vec<u16>)>,
+    /// The next cluster index to try for an allocation.
+    next_free: u64,
+}
+
+fn enospc(why: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::StorageFull, why.to_owned())
+}
+
+impl Refcounts {
+    /// Load the refcount table of the image `h` describes, in a file of `file_size`
+    /// bytes.
+    pub(crate) fn open(io: &FileIo<'_>, h: &Header, file_size: u64) -> Result<Refcounts, String> {
+        if h.refcount_order != 4 {
+            return Err(format!(
+                "its refcounts are {} bits wide; vblk writes 16-bit refcounts only (`qemu-img amend -o refcount_bits=16` converts it), or serve it read-only",
+                1u32 << h.refcount_order.min(31)
+            ));
+        }
+        let cluster = h.cluster_size();
+        let bytes = u64::from(h.reftable_clusters) * cluster;
+        let mut raw = vec![0u8; bytes as usize];
+        io.read_exact_at(&mut raw, h.reftable_offset)
+            .map_err(|e| format!("reading the refcount table: {e}"))?;
+        let mut reftable = Vec::with_capacity(raw.len() / 8);
+        for (i, e) in raw.chunks_exact(8).enumerate() {
+            let e = u64::from_be_bytes(e.try_into().unwrap_or([0; 8]));
+            if e & 511 != 0 || e % cluster != 0 || (e != 0 && e + cluster > file_size) {
+                return Err(format!(
+                    "refcount table entry {i} is {e:#x}: reserved bits, an unaligned block or one past the end of the file (`qemu-img check` tells more)"
+                ));
+            }
+            reftable.push(e);
+        }
+        Ok(Refcounts {
+            cluster_bits: h.cluster_bits,
+            reftable_offset: h.reftable_offset,
+            reftable,
+            per_block: cluster / 2,
+            cache: Vec::with_capacity(CACHED_BLOCKS),
+            next_free: file_size.div_ceil(cluster),
+        })
+    }
+
+    /// The cache index of block `b`, loaded if needed; None when it does not exist.
+    fn block(&mut self, io: &FileIo<'_>, b: u64) -> io::Result<Option<usize>> {
+        if let Some(i) = self.cache.iter().position(|(k, _)| *k == b) {
+            let e = self.cache.remove(i);
+            self.cache.push(e);
+            return Ok(Some(self.cache.len() - 1));
+        }
+        let at = match self.reftable.get(b as usize) {
+            Some(&at) if at != 0 => at,
+            _ => return Ok(None),
+        };
+        let mut raw = vec![0u8; (self.per_block * 2) as usize];
+        io.read_exact_at(&mut raw, at)?;
+        let counts = raw
+            .chunks_exact(2)
+            .map(|c| u16::from_be_bytes([c[0], c[1]]))
+            .collect();
+        if self.cache.len() == CACHED_BLOCKS {
+            self.cache.remove(0);
+        }
+        self.cache.push((b, counts));
+        Ok(Some(self.cache.len() - 1))
+    }
+
+    /// Cluster `c`'s refcount (0 where no block covers it).
+    pub(crate) fn get(&mut self, io: &FileIo<'_>, c: u64) -> io::Result<u16> {
+        let b = c / self.per_block;
+        Ok(match self.block(io, b)? {
+            Some(i) => self.cache[i].1[(c % self.per_block) as usize],
+            None => 0,
+        })
+    }
+
+    /// Set cluster `c`'s refcount, making its refcount block if there is none.
+    pub(crate) fn set(&mut self, io: &FileIo<'_>, c: u64, v: u16) -> io::Result<()> {
+        let b = c / self.per_block;
+        if b as usize >= self.reftable.len() {
+            log::error!(
+                "qcow2: cluster {c} needs refcount block {b}, past the refcount table's {} entries; vblk does not grow the table (qemu-img convert to a new image does)",
+                self.reftable.len()
+            );
+            return Err(enospc("the refcount table is full"));
+        }
+        let i = match self.block(io, b)? {
+            Some(i) => i,
+            None => self.new_block(io, b)?,
+        };
+        let at = self.reftable[b as usize] + (c % self.per_block) * 2;
+        io.write_all_at(&v.to_be_bytes(), at)?;
+        // `new_block` may have loaded other blocks: find block b again.
+        let i = if self.cache.get(i).is_some_and(|(k, _)| *k == b) {
+            i
+        } else {
+            self.block(io, b)?
+                .ok_or_else(|| enospc("refcount block vanished"))?
+        };
+        self.cache[i].1[(c % self.per_block) as usize] = v;
+        Ok(())
+    }
+
+    /// Make refcount block `b`: in a free cluster, counting itself if it covers itself,
+    /// written before the table entry that points at it.
+    fn new_block(&mut self, io: &FileIo<'_>, b: u64) -> io::Result<usize> {
+        let r = self.reserve(io)?;
+        let mut counts = vec![0u16; self.per_block as usize];
+        let own = r / self.per_block == b;
+        if own {
+            counts[(r % self.per_block) as usize] = 1;
+        }
+        let raw: Vec<u8> = counts.iter().flat_map(|c| c.to_be_bytes()).collect();
+        let at = r << self.cluster_bits;
+        io.write_all_at(&raw, at)?;
+        if !own {
+            self.set(io, r, 1)?;
+        }
+        io.write_all_at(&at.to_be_bytes(), self.reftable_offset + b * 8)?;
+        self.reftable[b as usize] = at;
+        if self.cache.len() == CACHED_BLOCKS {
+            self.cache.remove(0);
+        }
+        self.cache.push((b, counts));
+        Ok(self.cache.len() - 1)
+    }
+
+    /// A free cluster at or past the end of the file, for the caller to fill and then
+    /// count with `set(c, 1)`; its index.
+    pub(crate) fn reserve(&mut self, io: &FileIo<'_>) -> io::Result<u64> {
+        for _ in 0..RESERVE_TRIES {
+            let c = self.next_free;
+            self.next_free += 1;
+            if self.get(io, c)? == 0 {
+                return Ok(c);
+            }
+        }
+        Err(enospc("no free cluster past the end of the file"))
+    }
+
+    /// Drop one reference to cluster `c`.
+    pub(crate) fn unref(&mut self, io: &FileIo<'_>, c: u64) -> io::Result<()> {
+        match self.get(io, c)? {
+            0 => {
+                log::error!("qcow2: cluster {c} is freed with a refcount of 0 already (the image's refcounts are wrong; `qemu-img check`)");
+                Ok(())
+            }
+            v => self.set(io, c, v - 1),
+        }
+    }
+}

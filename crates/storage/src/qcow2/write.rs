@@ -1,0 +1,455 @@
+//! Writing a qcow2 image: the metadata owner's part. Workers write in place to clusters
+//! the table calls owned (refcount 1, mapping durable in the file); everything else comes
+//! here: a first write to a cluster (allocation, with the cluster's old bytes copied from
+//! the backing file, a compressed cluster or a shared one), writes to clusters whose
+//! mapping is not durable yet, discards, write-zeroes and flushes.
+//!
+//! Order, QEMU's (block/qcow2-cluster.c, the L2 cache's dependency on the refcount
+//! cache), so that a crash at any point (kill -9, or the host losing power) can only leak
+//! clusters, never point at one that is not counted or not written:
+//! 1. a new cluster's bytes (data, a zeroed L2 table) are written, then its refcount;
+//! 2. the changed mappings stay in memory (the table and the metadata cache say so at
+//!    once, the file not yet) until a guest FLUSH, a durable write, a second without one,
+//!    or the close: then `fdatasync`, the L2 and L1 entries written, `fdatasync`;
+//! 3. only then are the refcounts of clusters no longer mapped dropped.
+//!
+//! Acknowledged writes whose mappings are not yet in the file may be lost by a crash, as
+//! any write not followed by a FLUSH may; a FLUSH makes them durable.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::entry::{encode_l2, Mapping};
+use super::fileio::FileIo;
+use super::iov;
+use super::owner::Owner;
+use super::refcount::Refcounts;
+use super::table::Entry;
+use crate::backend::Backend;
+use crate::engine::{Engine, Op};
+
+/// Mappings kept in memory before they are written back regardless of time.
+const MAX_PENDING: usize = 16384;
+
+pub(crate) struct Writer {
+    pub(crate) refs: Refcounts,
+    /// Guest cluster → its mapping, changed and not yet in the file.
+    pending_l2: BTreeMap<u64, Mapping>,
+    /// L1 index → its new L2 table, not yet in the file.
+    pending_l1: BTreeMap<u64, u64>,
+    /// Clusters no longer mapped, whose refcount drops once that is durable.
+    pending_free: Vec<u64>,
+    since: Option<Instant>,
+    /// A `sync` engine on the backing file, for copy-on-write.
+    backing: Option<Box<dyn Engine>>,
+    backing_size: u64,
+    /// The image file's backend: its size grows with allocations (engines check bounds
+    /// against it).
+    container: Arc<Backend>,
+    version: u32,
+    zeros: Vec<u8>,
+}
+
+fn eio() -> io::Error {
+    io::Error::from_raw_os_error(libc::EIO)
+}
+
+impl Writer {
+    pub(crate) fn new(
+        refs: Refcounts,
+        backing: Option<Box<dyn Engine>>,
+        backing_size: u64,
+        container: Arc<Backend>,
+        version: u32,
+        cluster: u64,
+    ) -> Writer {
+        Writer {
+            refs,
+            pending_l2: BTreeMap::new(),
+            pending_l1: BTreeMap::new(),
+            pending_free: Vec::new(),
+            since: None,
+            backing,
+            backing_size,
+            container,
+            version,
+            zeros: vec![0; cluster as usize],
+        }
+    }
+
+    /// Whether anything waits to be written back.
+    pub(crate) fn pending(&self) -> bool {
+        !self.pending_l2.is_empty() || !self.pending_l1.is_empty() || !self.pending_free.is_empty()
+    }
+
+    /// Whether the writeback is due: `after` since the first change, or too many.
+    pub(crate) fn due(&self, after: Duration) -> bool {
+        self.since.is_some_and(|s| s.elapsed() >= after) || self.pending_l2.len() >= MAX_PENDING
+    }
+
+    /// Guest cluster `gc`'s mapping, if the writer changed it and the file does not say
+    /// so yet.
+    pub(crate) fn pending_mapping(&self, gc: u64) -> Option<Mapping> {
+        self.pending_l2.get(&gc).copied()
+    }
+
+    /// The table entry for guest cluster `gc` mapped as `m`: a cluster whose mapping is
+    /// not durable yet is not written in place by the workers.
+    pub(crate) fn entry(&self, gc: u64, m: Mapping, cluster: u64, file_size: u64) -> Entry {
+        match Entry::of(m, cluster, file_size) {
+            Entry::Owned(h) if self.pending_l2.contains_key(&gc) => Entry::Data(h),
+            e => e,
+        }
+    }
+
+    fn changed(&mut self) {
+        self.since.get_or_insert_with(Instant::now);
+    }
+
+    /// The clusters `old` held, to be freed once its replacement is durable.
+    fn free(&mut self, old: Mapping, bits: u32) {
+        match old {
+            Mapping::Data { host, .. } | Mapping::Zero { host: Some(host) } => {
+                self.pending_free.push(host >> bits)
+            }
+            Mapping::Compressed { host, bytes } if bytes > 0 => {
+                let first = (host & !511) >> bits;
+                let last = (host + bytes - 1) >> bits;
+                self.pending_free.extend(first..=last);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Where the bytes of a write come from.
+#[derive(Clone, Copy)]
+enum From {
+    Guest(*const libc::iovec, u32),
+    Zeroes,
+}
+
+fn fill(buf: &mut [u8], from: From) {
+    match from {
+        // SAFETY: the job's buffers, lent to the owner until it answers.
+        From::Guest(iov, n) => unsafe { iov::copy_out(iov, n, 0, buf) },
+        From::Zeroes => buf.fill(0),
+    }
+}
+
+impl Owner {
+    fn cluster_bits(&self) -> u32 {
+        self.meta.header().cluster_bits
+    }
+
+    /// The file now reaches `end`: the metadata and the engines' bounds follow.
+    fn grew(&mut self, end: u64) {
+        self.meta.grow(end);
+        if let Some(w) = self.writer.as_ref() {
+            w.container.grow_to(end);
+        }
+    }
+
+    /// A write job: guest bytes `[offset, offset + len)`, inside one cluster.
+    pub(crate) fn write_job(
+        &mut self,
+        src: &FileIo<'_>,
+        offset: u64,
+        len: u64,
+        iov: *const libc::iovec,
+        iovcnt: u32,
+        durable: bool,
+    ) -> io::Result<u64> {
+        self.write_piece(src, offset, len, From::Guest(iov, iovcnt))?;
+        if durable {
+            self.flush_job(src)?;
+        }
+        Ok(len)
+    }
+
+    /// Write `[offset, offset + len)` (inside one cluster) from `from`.
+    fn write_piece(
+        &mut self,
+        src: &FileIo<'_>,
+        offset: u64,
+        len: u64,
+        from: From,
+    ) -> io::Result<()> {
+        if self.writer.is_none() {
+            return Err(io::Error::from_raw_os_error(libc::EBADF));
+        }
+        let bits = self.cluster_bits();
+        let cluster = 1u64 << bits;
+        let (gc, in_c) = (offset >> bits, offset & (cluster - 1));
+        if in_c + len > cluster {
+            return Err(eio());
+        }
+        let old = self.current(src, gc)?;
+        if let Mapping::Data { host, copied: true } = old {
+            let buf = &mut self.cluster[..len as usize];
+            fill(buf, from);
+            src.write_all_at(buf, host + in_c)?;
+            self.grew(host + in_c + len);
+            return Ok(());
+        }
+        // Copy on write: the cluster's bytes as they read now (unless all are new), the
+        // new ones over them.
+        if len < cluster {
+            self.old_bytes(src, gc, old)?;
+        }
+        fill(&mut self.cluster[in_c as usize..][..len as usize], from);
+        self.allocate(src, gc, old)
+    }
+
+    /// Fill `self.cluster` with what guest cluster `gc`, mapped as `m`, reads now.
+    fn old_bytes(&mut self, src: &FileIo<'_>, gc: u64, m: Mapping) -> io::Result<()> {
+        let bits = self.cluster_bits();
+        match m {
+            Mapping::Data { host, .. } => src.read_or_zero(&mut self.cluster, host),
+            Mapping::Compressed { host, bytes } => self.inflate(src, host, bytes),
+            Mapping::Zero { .. } => {
+                self.cluster.fill(0);
+                Ok(())
+            }
+            Mapping::Unallocated => {
+                self.cluster.fill(0);
+                let Owner {
+                    writer, cluster, ..
+                } = self;
+                let Some(w) = writer.as_mut() else {
+                    return Ok(());
+                };
+                let start = gc << bits;
+                let Some(b) = w.backing.as_mut() else {
+                    return Ok(());
+                };
+                if start >= w.backing_size {
+                    return Ok(());
+                }
+                let n = (w.backing_size - start).min(cluster.len() as u64);
+                let v = libc::iovec {
+                    iov_base: cluster.as_mut_ptr().cast(),
+                    iov_len: n as usize,
+                };
+                let op = Op::Read {
+                    offset: start,
+                    iov: &v,
+                    iovcnt: 1,
+                };
+                // SAFETY: `v` and the buffer it names live until the read is reaped
+                // below (the loop does not return before that but on error, and then
+                // the engine is not used again for this buffer: `wait` failing leaves
+                // the read in flight, so we drop the engine, which waits for it).
+                if unsafe { b.push(0, op) }.is_err() {
+                    return Err(eio());
+                }
+                let result = (|| loop {
+                    b.submit()?;
+                    let mut got = None;
+                    b.reap(&mut |c| got = Some(c.result));
+                    if let Some(r) = got {
+                        return r;
+                    }
+                    b.wait()?;
+                })();
+                if b.in_flight() > 0 {
+                    w.backing = None;
+                }
+                match result {
+                    Ok(got) if got == n => Ok(()),
+                    Ok(_) => Err(eio()),
+                    Err(e) => Err(e),
+                }
+            }
+        }
+    }
+
+    /// Put `self.cluster` in a new cluster mapped at guest cluster `gc` (was `old`),
+    /// making its L2 table first if it has none.
+    fn allocate(&mut self, src: &FileIo<'_>, gc: u64, old: Mapping) -> io::Result<()> {
+        let bits = self.cluster_bits();
+        self.ensure_table(src, gc)?;
+        let w = self.writer.as_mut().ok_or_else(eio)?;
+        let c = w.refs.reserve(src)?;
+        src.write_all_at(&self.cluster, c << bits)?;
+        w.refs.set(src, c, 1)?;
+        self.grew((c + 1) << bits);
+        self.remap(
+            gc,
+            Mapping::Data {
+                host: c << bits,
+                copied: true,
+            },
+            old,
+        );
+        Ok(())
+    }
+
+    /// Give guest cluster `gc` an L2 table if it has none: a zeroed cluster, counted, and
+    /// the L1 entry pointing at it (in memory now, in the file at the writeback).
+    fn ensure_table(&mut self, src: &FileIo<'_>, gc: u64) -> io::Result<()> {
+        let bits = self.cluster_bits();
+        let per_table = self.meta.header().l2_entries();
+        let index = gc / per_table;
+        if index >= u64::from(self.meta.header().l1_entries) {
+            return Err(eio());
+        }
+        if self.meta.l1_entry(index).is_none() {
+            let w = self.writer.as_mut().ok_or_else(eio)?;
+            let t = w.refs.reserve(src)?;
+            src.write_all_at(&w.zeros, t << bits)?;
+            w.refs.set(src, t, 1)?;
+            w.pending_l1.insert(index, t << bits);
+            w.changed();
+            self.meta.set_l1(index, t << bits);
+            self.grew((t + 1) << bits);
+        }
+        Ok(())
+    }
+
+    /// Guest cluster `gc` is mapped as `new` from now on (it was `old`).
+    fn remap(&mut self, gc: u64, new: Mapping, old: Mapping) {
+        let bits = self.cluster_bits();
+        let cluster = 1u64 << bits;
+        let file_size = self.meta.file_size();
+        let Some(w) = self.writer.as_mut() else {
+            return;
+        };
+        w.pending_l2.insert(gc, new);
+        w.free(old, bits);
+        w.changed();
+        let e = w.entry(gc, new, cluster, file_size);
+        self.meta.set_l2(gc, new);
+        self.table.set(gc, e);
+    }
+
+    /// A discard (`discard`) or write-zeroes job over `[offset, offset + len)`.
+    pub(crate) fn zero_job(
+        &mut self,
+        src: &FileIo<'_>,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+        discard: bool,
+        durable: bool,
+    ) -> io::Result<u64> {
+        let Some(w) = self.writer.as_ref() else {
+            return Err(io::Error::from_raw_os_error(libc::EBADF));
+        };
+        let (backed, v3) = (w.backing.is_some() || w.backing_size > 0, w.version >= 3);
+        let bits = self.cluster_bits();
+        let cluster = 1u64 << bits;
+        let end = offset.checked_add(len).ok_or_else(eio)?;
+        let mut at = offset;
+        while at < end {
+            let in_c = at & (cluster - 1);
+            let n = (cluster - in_c).min(end - at);
+            let gc = at >> bits;
+            if n == cluster && (unmap || discard) {
+                // A whole cluster: unmapped (reads zeroes without a backing file), or the
+                // zero flag over a backing file (version 3).
+                let new = if !backed {
+                    Some(Mapping::Unallocated)
+                } else if v3 {
+                    Some(Mapping::Zero { host: None })
+                } else {
+                    None
+                };
+                if let Some(new) = new {
+                    let old = self.current(src, gc)?;
+                    if old != new {
+                        // Unallocated where there is no table needs none; the zero flag
+                        // needs its entry.
+                        self.ensure_table(src, gc)?;
+                        self.remap(gc, new, old);
+                    }
+                    at += n;
+                    continue;
+                }
+            }
+            if !discard {
+                self.write_piece(src, at, n, From::Zeroes)?;
+            }
+            at += n;
+        }
+        if durable {
+            self.flush_job(src)?;
+        }
+        Ok(len)
+    }
+
+    /// A guest FLUSH: every completed write durable, with its mapping.
+    pub(crate) fn flush_job(&mut self, src: &FileIo<'_>) -> io::Result<()> {
+        if self.writer.as_ref().is_some_and(|w| w.pending()) {
+            // Ends with an fdatasync, after the writes the FLUSH covers.
+            self.writeback(src)
+        } else {
+            src.sync()
+        }
+    }
+
+    /// Write the changed mappings back (the order in the module's comment).
+    pub(crate) fn writeback(&mut self, src: &FileIo<'_>) -> io::Result<()> {
+        if !self.writer.as_ref().is_some_and(|w| w.pending()) {
+            return Ok(());
+        }
+        src.sync()?;
+        let per_table = self.meta.header().l2_entries();
+        let l1_offset = self.meta.header().l1_offset;
+        let bits = self.cluster_bits();
+        let Owner {
+            writer,
+            meta,
+            table,
+            ..
+        } = self;
+        let Some(w) = writer.as_mut() else {
+            return Ok(());
+        };
+        // L2 entries, each run of neighbours in one write.
+        let mut run: Vec<u8> = Vec::new();
+        let mut run_at = 0u64;
+        for (&gc, &m) in &w.pending_l2 {
+            let table = meta.l1_entry(gc / per_table).ok_or_else(eio)?;
+            let at = table + (gc % per_table) * 8;
+            if !run.is_empty() && run_at + run.len() as u64 != at {
+                src.write_all_at(&run, run_at)?;
+                run.clear();
+            }
+            if run.is_empty() {
+                run_at = at;
+            }
+            run.extend_from_slice(&encode_l2(m).to_be_bytes());
+        }
+        if !run.is_empty() {
+            src.write_all_at(&run, run_at)?;
+            run.clear();
+        }
+        for (&index, &table) in &w.pending_l1 {
+            let e = table | super::entry::COPIED;
+            src.write_all_at(&e.to_be_bytes(), l1_offset + index * 8)?;
+        }
+        src.sync()?;
+        for c in std::mem::take(&mut w.pending_free) {
+            w.refs.unref(src, c)?;
+        }
+        // Durable now: owned clusters may be written in place by the workers. The cached
+        // slices say so too: one reloaded from the file before the entries were written
+        // there holds the old mappings, and the overlay that hid them goes now.
+        let file_size = meta.file_size();
+        for (&gc, &m) in &w.pending_l2 {
+            meta.set_l2(gc, m);
+            if let Mapping::Data { host, copied: true } = m {
+                if host + (1u64 << bits) <= file_size {
+                    table.set(gc, Entry::Owned(host));
+                }
+            }
+        }
+        w.pending_l2.clear();
+        w.pending_l1.clear();
+        w.since = None;
+        Ok(())
+    }
+}

@@ -1,0 +1,310 @@
+//! qcow2 images written through the engines, against QEMU: random writes (inside and
+//! across clusters, split into misaligned iovecs), write-zeroes and discards, with and
+//! without a backing file, on every engine, over clusters of 512 bytes to 64 KiB and over
+//! compressed clusters; the bytes read back, and after close `qemu-img check` finds no
+//! error and no leak and `qemu-img convert` reads what was written. And what is refused
+//! for writing: a dirty image, 8-bit refcounts, internal snapshots, a live migration's
+//! destination.
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+
+use vblk_storage::qcow2::BackingFile;
+use vblk_storage::{Backend, CacheMode, DiskSpec, Engine, EngineKind, Format, Op, OpenOptions};
+
+mod common;
+use common::{engine, run, run1, scratch, tool, Buf, Rng};
+
+fn options(backing: &[&Path], cache: CacheMode) -> OpenOptions {
+    let mut o = OpenOptions {
+        cache,
+        backing: backing
+            .iter()
+            .map(|p| BackingFile {
+                path: p.to_path_buf(),
+                format: None,
+            })
+            .collect(),
+        ..OpenOptions::default()
+    };
+    o.image.format = Some(Format::Qcow2);
+    o
+}
+
+fn raw_of(d: &Path, image: &str) -> Vec<u8> {
+    let _ = fs::remove_file(d.join("out.raw"));
+    tool(d, "qemu-img", &["convert", "-O", "raw", image, "out.raw"]);
+    fs::read(d.join("out.raw")).unwrap()
+}
+
+/// `qemu-img check` on the image: no errors, no leaks.
+fn check_clean(d: &Path, image: &str) {
+    let out = Command::new("qemu-img")
+        .args(["check", image])
+        .current_dir(d)
+        .output()
+        .expect("qemu-img (qemu-utils)");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && text.contains("No errors were found"),
+        "qemu-img check {image}: {:?}\n{text}",
+        out.status
+    );
+}
+
+/// Random writes, write-zeroes and discards over `shadow`, in batches, each followed by
+/// a read of what was written; then a flush.
+fn exercise(
+    e: &mut dyn Engine,
+    shadow: &mut [u8],
+    block: u64,
+    cluster: u64,
+    seed: u64,
+    rounds: usize,
+) {
+    let size = shadow.len() as u64;
+    let mut rng = Rng::new(seed);
+    let misalign = if block > 512 { 0 } else { 8 };
+    for round in 0..rounds {
+        let batch = 1 + rng.below(12) as usize;
+        let mut bufs: Vec<Vec<Buf>> = Vec::new();
+        let mut iovs: Vec<Vec<libc::iovec>> = Vec::new();
+        let mut ops = Vec::new();
+        // Writes in one batch do not overlap: their order is the engine's.
+        let mut taken: Vec<(u64, u64)> = Vec::new();
+        for t in 0..batch {
+            let len = block * (1 + rng.below(256 * 512 / block));
+            let offset = block * rng.below((size - len) / block + 1);
+            if taken
+                .iter()
+                .any(|&(a, l)| offset < a + l && a < offset + len)
+            {
+                continue;
+            }
+            taken.push((offset, len));
+            let kind = rng.below(10);
+            let op = if kind < 8 {
+                let mut data = vec![0u8; len as usize];
+                rng.fill(&mut data);
+                shadow[offset as usize..(offset + len) as usize].copy_from_slice(&data);
+                let mut parts = vec![len as usize];
+                if len >= 2 * block && rng.below(2) == 0 {
+                    let a = (block * (1 + rng.below(len / block - 1))) as usize;
+                    parts = vec![a, len as usize - a];
+                }
+                let mut at = 0;
+                let mut b: Vec<Buf> = Vec::new();
+                for p in parts {
+                    b.push(Buf::with_data(&data[at..at + p], misalign));
+                    at += p;
+                }
+                let iov: Vec<libc::iovec> = b.iter_mut().map(Buf::iovec).collect();
+                let op = Op::Write {
+                    offset,
+                    iov: iov.as_ptr(),
+                    iovcnt: iov.len() as u32,
+                    durable: rng.below(8) == 0,
+                };
+                bufs.push(b);
+                iovs.push(iov);
+                op
+            } else if kind == 8 {
+                shadow[offset as usize..(offset + len) as usize].fill(0);
+                Op::WriteZeroes {
+                    offset,
+                    len,
+                    unmap: rng.below(2) == 0,
+                    durable: false,
+                }
+            } else {
+                // A discard: whole clusters read as zeroes afterwards (unmapped, or the
+                // zero flag over a backing file); the rest stays as it was.
+                let first = offset.div_ceil(cluster) * cluster;
+                let end = (offset + len) / cluster * cluster;
+                if end > first {
+                    shadow[first as usize..end as usize].fill(0);
+                }
+                Op::Discard {
+                    offset,
+                    len,
+                    durable: false,
+                }
+            };
+            ops.push((t as u64, op));
+        }
+        // SAFETY: `bufs` and `iovs` outlive the call.
+        let done = unsafe { run(e, &ops) };
+        for c in &done {
+            assert!(c.result.is_ok(), "round {round}: {:?}", c.result);
+        }
+        for &(offset, len) in &taken {
+            let got = common::read(e, offset, &[len as usize], misalign).unwrap();
+            let want = &shadow[offset as usize..(offset + len) as usize];
+            if got[..] != want[..] {
+                let i = (0..got.len()).find(|&i| got[i] != want[i]).unwrap_or(0);
+                panic!(
+                    "round {round}: {len} bytes at {offset}: byte {} (guest offset {}) reads {:#x}, written {:#x}",
+                    i,
+                    offset + i as u64,
+                    got[i],
+                    want[i]
+                );
+            }
+        }
+    }
+    // SAFETY: a flush names no buffer.
+    unsafe { run1(e, Op::Flush) }.unwrap();
+}
+
+fn whole(e: &mut dyn Engine, size: u64, misalign: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(size as usize);
+    let mut at = 0;
+    while at < size {
+        let n = (1u64 << 20).min(size - at);
+        out.extend(common::read(e, at, &[n as usize], misalign).unwrap());
+        at += n;
+    }
+    out
+}
+
+#[test]
+fn writes_read_back_and_qemu_finds_them_and_no_error() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let dir = scratch();
+    let d = dir.path();
+    tool(d, "qemu-img", &["create", "-f", "raw", "base.raw", "6M"]);
+    tool(
+        d,
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x11 0 6M", "base.raw"],
+    );
+    for (kind, cache, cluster, backed) in [
+        (EngineKind::IoUring, CacheMode::Writeback, "65536", true),
+        (EngineKind::IoUring, CacheMode::None, "65536", false),
+        (EngineKind::Aio, CacheMode::None, "4096", true),
+        (EngineKind::Threads, CacheMode::Writeback, "512", true),
+        (EngineKind::Sync, CacheMode::Writeback, "2M", false),
+    ] {
+        let name = format!("w-{kind}-{cluster}.qcow2");
+        let opts = format!("cluster_size={cluster}");
+        let mut args = vec!["create", "-f", "qcow2", "-o", &opts];
+        if backed {
+            args.extend(["-b", "base.raw", "-F", "raw"]);
+        }
+        args.extend([name.as_str(), "8M"]);
+        tool(d, "qemu-img", &args);
+        tool(
+            d,
+            "qemu-io",
+            &["-f", "qcow2", "-c", "write -P 0x22 1M 200k", &name],
+        );
+        let mut shadow = raw_of(d, &name);
+        let base = d.join("base.raw");
+        let backing: Vec<&Path> = if backed { vec![&base] } else { vec![] };
+        let b = Arc::new(
+            Backend::open(&DiskSpec::File(d.join(&name)), &options(&backing, cache))
+                .unwrap_or_else(|e| panic!("{name}: {e}")),
+        );
+        assert!(!b.read_only());
+        let block = u64::from(b.logical_block_size());
+        let misalign = if block > 512 { 0 } else { 8 };
+        eprintln!("{name}: {kind}, cache {cache:?}");
+        {
+            let mut e = engine(&b, kind, 32);
+            let cluster = b.qcow2().unwrap().header().cluster_size();
+            exercise(e.as_mut(), &mut shadow, block, cluster, 3, 30);
+            let all = whole(e.as_mut(), 8 << 20, misalign);
+            assert!(
+                all == shadow,
+                "{name}: the whole disk differs from what was written"
+            );
+        }
+        drop(b);
+        check_clean(d, &name);
+        assert!(
+            raw_of(d, &name) == shadow,
+            "{name}: QEMU reads something else than was written"
+        );
+    }
+}
+
+#[test]
+fn writing_over_compressed_clusters_copies_them() {
+    let dir = scratch();
+    let d = dir.path();
+    tool(d, "qemu-img", &["create", "-f", "raw", "a.raw", "4M"]);
+    tool(
+        d,
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x5a 0 4M", "a.raw"],
+    );
+    tool(
+        d,
+        "qemu-img",
+        &["convert", "-c", "-O", "qcow2", "a.raw", "c.qcow2"],
+    );
+    let mut shadow = fs::read(d.join("a.raw")).unwrap();
+    let b = Arc::new(
+        Backend::open(
+            &DiskSpec::File(d.join("c.qcow2")),
+            &options(&[], CacheMode::Writeback),
+        )
+        .unwrap(),
+    );
+    {
+        let mut e = engine(&b, EngineKind::IoUring, 16);
+        exercise(e.as_mut(), &mut shadow, 512, 65536, 9, 20);
+    }
+    drop(b);
+    check_clean(d, "c.qcow2");
+    assert!(raw_of(d, "c.qcow2") == shadow);
+}
+
+fn refusal(path: &Path, o: &OpenOptions) -> String {
+    match Backend::open(&DiskSpec::File(path.to_path_buf()), o) {
+        Ok(_) => panic!("{} was opened for writing", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn images_vblk_cannot_write_safely_are_refused_for_writing() {
+    let dir = scratch();
+    let d = dir.path();
+    tool(
+        d,
+        "qemu-img",
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-o",
+            "refcount_bits=8",
+            "r8.qcow2",
+            "1M",
+        ],
+    );
+    let e = refusal(&d.join("r8.qcow2"), &options(&[], CacheMode::Writeback));
+    assert!(
+        e.contains("8 bits") && e.contains("refcount_bits=16"),
+        "{e}"
+    );
+    tool(d, "qemu-img", &["create", "-f", "qcow2", "s.qcow2", "1M"]);
+    tool(d, "qemu-img", &["snapshot", "-c", "snap", "s.qcow2"]);
+    let e = refusal(&d.join("s.qcow2"), &options(&[], CacheMode::Writeback));
+    assert!(e.contains("internal snapshots"), "{e}");
+    tool(d, "qemu-img", &["create", "-f", "qcow2", "m.qcow2", "1M"]);
+    let mut o = options(&[], CacheMode::Writeback);
+    o.image.incoming = true;
+    let e = refusal(&d.join("m.qcow2"), &o);
+    assert!(e.contains("--incoming"), "{e}");
+    // All of them serve read-only.
+    for name in ["r8.qcow2", "s.qcow2"] {
+        let mut o = options(&[], CacheMode::Writeback);
+        o.read_only = true;
+        Backend::open(&DiskSpec::File(d.join(name)), &o).unwrap();
+    }
+}
