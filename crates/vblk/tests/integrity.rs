@@ -28,6 +28,10 @@
 //!   each of the four io_uring and sync disks gets it once, the fifth disk never). Every
 //!   block written is read back into fresh buffers and verified.
 //!
+//! vblk only, a sixth disk per boot: a qcow2 image (`--format qcow2`, io_uring), plain with
+//! O_DIRECT on even boots, over a raw backing file through the page cache on odd ones;
+//! after the boot, the daemon stops cleanly and `qemu-img check` must find nothing.
+//!
 //! Asserted, per boot: every fio job ran, wrote and read back the bytes it should, with no
 //! error (no verify failure); the 4 MiB writes were split by the segment limit; the
 //! largest transfer went as one request; the disks have 2 hardware queues; no I/O error
@@ -109,6 +113,19 @@ fn daemon_queue_size(qemu: u16) -> u16 {
         64 | 1024 => 1024,
         _ => 256,
     }
+}
+
+/// Runs a QEMU tool; a missing one or a failure panics naming it.
+fn run_tool(program: &str, args: &[&str]) {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{program} ({e}): install qemu-utils"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// `VBLK_GUEST_VERBOSE=1`: print every boot's report.
@@ -328,19 +345,34 @@ fn run_boot(backend: Backend, queue_size: u16, layer: &Path) -> (String, Vec<Str
         .position(|&q| q == queue_size)
         .unwrap_or(0);
     let disks: Vec<(Cache, Engine)> = DISKS.into_iter().chain([FIFTH_DISK[boot_index]]).collect();
+    // vblk only: a sixth disk, a qcow2 image (the reference would serve it as raw). Boots
+    // alternate a plain one with O_DIRECT and one over a raw backing file (its first
+    // 64 MiB a pattern) through the page cache.
+    let qcow2 = (backend == Backend::Vblk).then_some(if boot_index % 2 == 0 {
+        (Cache::None, false)
+    } else {
+        (Cache::Writeback, true)
+    });
     // Each boot gives the largest transfer to another of the four first disks: across the
     // four boots, each of them gets it once.
     let phases = phases(boot_index % DISKS.len());
     let (offsets, disk_bytes) = layout(&phases, LARGEST_CAP);
     let dir = TempDir::new("integ");
     let images = TempDir::new_in(&target_dir().join("tmp"), "integ-img");
-    let names: Vec<String> = (0..disks.len())
+    let names: Vec<String> = (0..disks.len() + usize::from(qcow2.is_some()))
         .map(|i| format!("vd{}", (b'a' + i as u8) as char))
         .collect();
-    let labels: Vec<String> = disks
+    let mut labels: Vec<String> = disks
         .iter()
         .map(|(c, e)| format!("q{queue_size}/cache={}/engine={}", c.name(), e.name()))
         .collect();
+    if let Some((cache, backed)) = qcow2 {
+        labels.push(format!(
+            "q{queue_size}/qcow2{}/cache={}/engine=io_uring",
+            if backed { " over raw" } else { "" },
+            cache.name()
+        ));
+    }
 
     let mut guest = Guest::new(&format!("integrity-q{queue_size}"))
         .memory_mib(GUEST_MIB as u32)
@@ -355,7 +387,7 @@ fn run_boot(backend: Backend, queue_size: u16, layer: &Path) -> (String, Vec<Str
         .cpu("max,-erms,-fsrm,-sse4.2")
         .layer(layer)
         .timeout(Duration::from_secs(600));
-    let mut daemons = Vec::new();
+    let mut exports = Vec::new();
     for (i, (cache, engine)) in disks.iter().enumerate() {
         let image = images.join(format!("{}.img", names[i]));
         std::fs::File::create(&image)
@@ -372,11 +404,43 @@ fn run_boot(backend: Backend, queue_size: u16, layer: &Path) -> (String, Vec<Str
             // are exercised.
             export = export.args(&["--poll-us", "0"]);
         }
+        exports.push(export);
+    }
+    let mut qcow2_image = None;
+    if let Some((cache, backed)) = qcow2 {
+        let name = &names[disks.len()];
+        let image = images.join(format!("{name}.qcow2"));
+        let base = images.join(format!("{name}-base.raw"));
+        let size = disk_bytes.to_string();
+        let mut create = vec!["create", "-f", "qcow2"];
+        if backed {
+            std::fs::File::create(&base)
+                .and_then(|f| f.set_len(disk_bytes / 2))
+                .unwrap_or_else(|e| panic!("{}: {e}", base.display()));
+            let raw = ["-f", "raw", "-c", "write -P 0x5c 0 64M"];
+            run_tool("qemu-io", &[&raw[..], &[base.to_str().unwrap()]].concat());
+            create.extend(["-b", base.to_str().unwrap(), "-F", "raw"]);
+        }
+        create.extend([image.to_str().unwrap(), size.as_str()]);
+        run_tool("qemu-img", &create);
+        let mut export = Export::new(&image, NUM_QUEUES)
+            .cache(cache)
+            .engine(Engine::IoUring)
+            .args(&["--threads", "2", "--format", "qcow2"])
+            .args(&["--queue-size", &daemon_queue_size(queue_size).to_string()]);
+        if backed {
+            export = export.args(&["--backing", base.to_str().unwrap()]);
+        }
+        exports.push(export);
+        qcow2_image = Some(image);
+    }
+    let mut daemons = Vec::new();
+    for (i, export) in exports.iter().enumerate() {
         let name = format!("{}-daemon", names[i]);
         let daemon = Daemon::start(
             backend,
             &name,
-            &export,
+            export,
             &dir.join(format!("{}.sock", names[i])),
             &dir.join(format!("{}.log", names[i])),
         );
@@ -397,6 +461,29 @@ fn run_boot(backend: Backend, queue_size: u16, layer: &Path) -> (String, Vec<Str
     let mut problems = boot_problems(&boot, &phases, &names);
     for (i, daemon) in daemons.iter_mut().enumerate() {
         check_daemon(daemon, &labels[i], &mut problems);
+    }
+    if let (Some(image), Some(daemon)) = (&qcow2_image, daemons.last_mut()) {
+        // A clean stop writes every mapping back: QEMU then finds no error and no leak.
+        let label = labels.last().cloned().unwrap_or_default();
+        // SAFETY: signals a child process the test started.
+        unsafe { libc::kill(daemon.pid() as i32, libc::SIGTERM) };
+        let start = Instant::now();
+        while daemon.exit_status().is_none() && start.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let out = std::process::Command::new("qemu-img")
+            .arg("check")
+            .arg(image)
+            .output()
+            .expect("qemu-img (qemu-utils)");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() || !text.contains("No errors were found") {
+            problems.push(format!(
+                "{label}: qemu-img check after the daemon stopped: {:?}\n{text}",
+                out.status
+            ));
+        }
     }
     let full = format!(
         "{}\n---- problems ----\n{}\n",

@@ -214,8 +214,13 @@ mod tests {
         let data = |host| Mapping::Data { host, copied: true };
         assert_eq!(
             Entry::of(data(0x10000), 0x10000, 0x20000),
-            Entry::Data(0x10000)
+            Entry::Owned(0x10000)
         );
+        let shared = Mapping::Data {
+            host: 0x10000,
+            copied: false,
+        };
+        assert_eq!(Entry::of(shared, 0x10000, 0x20000), Entry::Data(0x10000));
         assert_eq!(Entry::of(data(0x18000), 0x10000, 0x20000), Entry::Slow);
         assert_eq!(Entry::of(data(!0xffff), 0x10000, 0x20000), Entry::Slow);
     }
