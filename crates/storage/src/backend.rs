@@ -325,6 +325,12 @@ impl Backend {
     pub fn refresh_size(&self, allow_shrink: bool) -> Result<(u64, u64), Error> {
         let old = self.size();
         let path = self.path.clone().unwrap_or_default();
+        if self.qcow2.is_some() {
+            return Err(Error::Qcow2 {
+                path,
+                why: "a qcow2 image's size is in its header, and vblk does not resize qcow2 images yet: stop the daemon, `qemu-img resize`, start it again".into(),
+            });
+        }
         let new = match (self.kind, self.file.as_ref()) {
             (BackendKind::File, Some(f)) => f
                 .metadata()
@@ -764,7 +770,10 @@ fn qcow2_over(
     chain: &mut Vec<(u64, u64)>,
 ) -> Result<Backend, Error> {
     let path = container.path.clone().unwrap_or_default();
-    let align = container.dio.map_or(1, |d| u64::from(d.mem.max(d.offset)));
+    // O_DIRECT: buffers aligned to `mem`, file offsets and lengths to `offset`.
+    let align = container
+        .dio
+        .map_or((1, 1), |d| (u64::from(d.mem), u64::from(d.offset)));
     let (kind, lbs, serial) = (
         container.kind,
         container.logical_block_size,

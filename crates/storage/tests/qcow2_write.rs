@@ -3,8 +3,8 @@
 //! without a backing file, on every engine, over clusters of 512 bytes to 64 KiB and over
 //! compressed clusters; the bytes read back, and after close `qemu-img check` finds no
 //! error and no leak and `qemu-img convert` reads what was written. And what is refused
-//! for writing: a dirty image, 8-bit refcounts, internal snapshots, a live migration's
-//! destination.
+//! for writing: 8-bit refcounts, internal snapshots, a live migration's destination, a
+//! refcount table that points into the image's own metadata.
 
 use std::fs;
 use std::path::Path;
@@ -301,8 +301,25 @@ fn images_vblk_cannot_write_safely_are_refused_for_writing() {
     o.image.incoming = true;
     let e = refusal(&d.join("m.qcow2"), &o);
     assert!(e.contains("--incoming"), "{e}");
+    // A refcount table that puts a block over itself: writing refcounts there would
+    // destroy it.
+    tool(d, "qemu-img", &["create", "-f", "qcow2", "lie.qcow2", "1M"]);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(d.join("lie.qcow2"))
+            .unwrap();
+        let mut b8 = [0u8; 8];
+        f.read_exact_at(&mut b8, 48).unwrap();
+        let reftable = u64::from_be_bytes(b8);
+        f.write_all_at(&reftable.to_be_bytes(), reftable).unwrap();
+    }
+    let e = refusal(&d.join("lie.qcow2"), &options(&[], CacheMode::Writeback));
+    assert!(e.contains("over the image's header, L1 table"), "{e}");
     // All of them serve read-only.
-    for name in ["r8.qcow2", "s.qcow2"] {
+    for name in ["r8.qcow2", "s.qcow2", "lie.qcow2"] {
         let mut o = options(&[], CacheMode::Writeback);
         o.read_only = true;
         Backend::open(&DiskSpec::File(d.join(name)), &o).unwrap();

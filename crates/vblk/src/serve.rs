@@ -654,16 +654,11 @@ mod tests {
             e.contains("--engine-threads 0: must be between 1 and 64"),
             "{e}"
         );
-        let e = serve(&[
-            "--socket-path",
-            "/x",
-            "--blk-file",
-            "d",
-            "--format",
-            "qcow2",
-        ])
-        .unwrap_err();
-        assert!(e.contains("qcow2") && e.contains("raw"), "{e}");
+        let e = serve(&["--socket-path", "/x", "--blk-file", "d", "--format", "vmdk"]).unwrap_err();
+        assert!(
+            e.contains("vmdk") && e.contains("raw") && e.contains("qcow2"),
+            "{e}"
+        );
         let e = serve(&[
             "--socket-path",
             "/x",

@@ -14,15 +14,20 @@ use crate::bounce::AlignedBuf;
 
 pub(crate) struct FileIo<'a> {
     pub(crate) file: &'a File,
+    /// O_DIRECT's alignment of file offsets and lengths (1 without O_DIRECT): the
+    /// window a transfer covers.
     pub(crate) align: u64,
+    /// O_DIRECT's alignment of buffers.
+    mem: u64,
     buf: RefCell<Option<(AlignedBuf, usize)>>,
 }
 
 impl<'a> FileIo<'a> {
-    pub(crate) fn new(file: &'a File, align: u64) -> FileIo<'a> {
+    pub(crate) fn new(file: &'a File, mem: u64, align: u64) -> FileIo<'a> {
         FileIo {
             file,
             align,
+            mem: mem.max(1),
             buf: RefCell::new(None),
         }
     }
@@ -31,7 +36,10 @@ impl<'a> FileIo<'a> {
     fn with_buf<T>(&self, need: usize, f: impl FnOnce(*mut u8) -> io::Result<T>) -> io::Result<T> {
         let mut slot = self.buf.borrow_mut();
         if slot.as_ref().is_none_or(|(_, len)| *len < need) {
-            *slot = Some((AlignedBuf::new(need, self.align as usize)?, need));
+            *slot = Some((
+                AlignedBuf::new(need, self.mem.max(self.align) as usize)?,
+                need,
+            ));
         }
         match slot.as_ref() {
             Some((buf, _)) => f(buf.as_mut_ptr()),

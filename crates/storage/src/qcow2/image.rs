@@ -165,12 +165,13 @@ impl Drop for Image {
 }
 
 /// Open the qcow2 image in `container` (the file at `path`, opened and locked as a raw
-/// file, read-only). `align` is what O_DIRECT needs of metadata reads (1 without it).
+/// file, read-only). `align` is what O_DIRECT needs of the owner's I/O: (memory, file
+/// offsets and lengths), (1, 1) without it.
 /// `chain` holds the (device, inode) of every image above this one.
 pub(crate) fn open(
     path: &Path,
     container: Backend,
-    align: u64,
+    align: (u64, u64),
     opts: &OpenOptions,
     chain: &mut Vec<(u64, u64)>,
 ) -> Result<Image, Error> {
@@ -188,7 +189,7 @@ pub(crate) fn open(
         ));
     }
     chain.push((st.dev(), st.ino()));
-    let reader = FileIo::new(file, align);
+    let reader = FileIo::new(file, align.0, align.1);
     let file_size = container.size();
     let mut head = vec![0u8; file_size.min(2 << 20) as usize];
     reader
@@ -198,17 +199,22 @@ pub(crate) fn open(
     if header.size == 0 {
         return Err(fail("its virtual size is 0".into()));
     }
-    if align > 1 && header.cluster_size() < align {
+    if header.cluster_size() < align.1 {
         return Err(fail(format!(
-            "its clusters ({} bytes) are smaller than what O_DIRECT needs here ({align} bytes): serve it with --cache writeback",
-            header.cluster_size()
+            "its clusters ({} bytes) are smaller than what O_DIRECT needs here ({} bytes): serve it with --cache writeback",
+            header.cluster_size(),
+            align.1
         )));
     }
     let meta = Meta::open(&reader, header.clone(), 16).map_err(|e| fail(e.to_string()))?;
     let refs = if opts.read_only {
         None
+    } else if container.kind() == crate::BackendKind::BlockDevice {
+        return Err(fail(
+            "vblk writes qcow2 images in files only (it allocates at the end of the file); serve this one read-only".into(),
+        ));
     } else {
-        Some(writable(&reader, &header, file_size, opts).map_err(fail)?)
+        Some(writable(&reader, &header, file_size, meta.l2_tables(), opts).map_err(fail)?)
     };
     drop(reader);
 
@@ -245,13 +251,14 @@ pub(crate) fn open(
         cluster: vec![0; header.cluster_size() as usize],
         inflater: Box::default(),
         writer,
+        entries: Vec::new(),
     };
     let c = Arc::clone(&container);
     let handle = std::thread::Builder::new()
         .name("vblk-qcow2".into())
         .spawn(move || {
             if let Some(file) = c.file.as_ref() {
-                owner.run(&FileIo::new(file, align), rx);
+                owner.run(&FileIo::new(file, align.0, align.1), rx);
             }
         })
         .map_err(|e| fail(format!("starting its metadata thread: {e}")))?;
@@ -291,13 +298,14 @@ fn writable(
     io: &FileIo<'_>,
     header: &Header,
     file_size: u64,
+    l2_tables: impl Iterator<Item = u64>,
     opts: &OpenOptions,
 ) -> Result<Refcounts, String> {
     header.check_writable()?;
     if opts.image.incoming {
         return Err("a qcow2 image is not yet served writable as a live migration's destination (--incoming)".into());
     }
-    let refs = Refcounts::open(io, header, file_size)?;
+    let refs = Refcounts::open(io, header, file_size, l2_tables)?;
     if header.version >= 3 && header.autoclear != 0 {
         io.write_all_at(&0u64.to_be_bytes(), 88)
             .and_then(|()| io.sync())

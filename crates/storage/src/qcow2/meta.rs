@@ -254,6 +254,11 @@ impl Meta {
         self.l1.get(index as usize).copied().flatten()
     }
 
+    /// Where the L2 tables are.
+    pub fn l2_tables(&self) -> impl Iterator<Item = u64> + '_ {
+        self.l1.iter().filter_map(|&e| e)
+    }
+
     /// The writer gave L1 entry `index` a table at `table`.
     pub fn set_l1(&mut self, index: u64, table: u64) {
         if let Some(e) = self.l1.get_mut(index as usize) {

@@ -138,6 +138,8 @@ pub(crate) struct Owner {
     pub(crate) inflater: Box<DecompressorOxide>,
     /// Writing state, for a writable image.
     pub(crate) writer: Option<Writer>,
+    /// A slice's entries on their way into the table (kept for its capacity).
+    pub(crate) entries: Vec<Entry>,
 }
 
 /// How long mappings of acknowledged writes wait in memory, at most, before the owner
@@ -236,20 +238,29 @@ impl Owner {
         let cluster = self.meta.header().cluster_size();
         let file_size = self.meta.file_size();
         let first = slice * self.table.per_slice();
-        let writer = self.writer.as_ref();
+        let bits = self.meta.header().cluster_bits;
         match self.meta.slice(src, slice) {
             Ok(entries) => {
-                // Mappings written but not yet in the file come from the writer.
-                let it = entries.iter().enumerate().map(|(i, &m)| {
-                    let m = writer
-                        .and_then(|w| w.pending_mapping(first + i as u64))
-                        .unwrap_or(m);
-                    match writer {
-                        Some(w) => w.entry(first + i as u64, m, cluster, file_size),
-                        None => Entry::of(m, cluster, file_size),
+                // Mappings written but not yet in the file come from the writer, and a
+                // cluster is written in place only if the writer agrees it may be.
+                let mut out = std::mem::take(&mut self.entries);
+                out.clear();
+                out.extend(entries.iter().map(|&m| Entry::of(m, cluster, file_size)));
+                if let Some(w) = self.writer.as_mut() {
+                    for (i, e) in out.iter_mut().enumerate() {
+                        let gc = first + i as u64;
+                        if let Some(m) = w.pending_mapping(gc) {
+                            *e = w.entry(gc, m, cluster, file_size);
+                        }
+                        if let Entry::Owned(h) = *e {
+                            if !w.in_place(src, h, bits, file_size).unwrap_or(false) {
+                                *e = Entry::Data(h);
+                            }
+                        }
                     }
-                });
-                self.table.put(slice, it);
+                }
+                self.table.put(slice, out.iter().copied());
+                self.entries = out;
                 Answer::Loaded { slice }
             }
             Err(MetaError::Io(e)) => {

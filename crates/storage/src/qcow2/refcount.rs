@@ -9,6 +9,7 @@
 //! table entry that points at it, and a refcount is dropped only after the mapping that
 //! used the cluster is durably gone (the writer's job).
 
+use std::collections::HashSet;
 use std::io;
 
 use super::fileio::FileIo;
@@ -30,6 +31,9 @@ pub(crate) struct Refcounts {
     cache: Vec<(u64, Vec<u16>)>,
     /// The next cluster index to try for an allocation.
     next_free: u64,
+    /// Clusters holding metadata (header, L1 table, refcount table and blocks, L2
+    /// tables): never written with guest data, never freed.
+    metadata: HashSet<u64>,
 }
 
 fn enospc(why: &str) -> io::Error {
@@ -39,7 +43,13 @@ fn enospc(why: &str) -> io::Error {
 impl Refcounts {
     /// Load the refcount table of the image `h` describes, in a file of `file_size`
     /// bytes.
-    pub(crate) fn open(io: &FileIo<'_>, h: &Header, file_size: u64) -> Result<Refcounts, String> {
+    /// `l2_tables`: where the L1 table says the L2 tables are.
+    pub(crate) fn open(
+        io: &FileIo<'_>,
+        h: &Header,
+        file_size: u64,
+        l2_tables: impl Iterator<Item = u64>,
+    ) -> Result<Refcounts, String> {
         if h.refcount_order != 4 {
             return Err(format!(
                 "its refcounts are {} bits wide; vblk writes 16-bit refcounts only (`qemu-img amend -o refcount_bits=16` converts it), or serve it read-only",
@@ -59,9 +69,57 @@ impl Refcounts {
                     "refcount table entry {i} is {e:#x}: reserved bits, an unaligned block or one past the end of the file (`qemu-img check` tells more)"
                 ));
             }
+            // A refcount block where the header, the L1 table or the refcount table is
+            // would have vblk write refcounts over them.
+            let l1 = (h.l1_offset, h.l1_offset + u64::from(h.l1_entries) * 8);
+            let rt = (h.reftable_offset, h.reftable_offset + bytes);
+            let over = |(a, b): (u64, u64)| e < b && e + cluster > a;
+            if e != 0 && (e < cluster || over(l1) || over(rt)) {
+                return Err(format!(
+                    "refcount table entry {i} puts a refcount block at {e:#x}, over the image's header, L1 table or refcount table (`qemu-img check` tells more)"
+                ));
+            }
             reftable.push(e);
         }
+        let bits = h.cluster_bits;
+        let clusters = |a: u64, len: u64| (a >> bits)..(a + len).div_ceil(cluster);
+        let mut metadata: HashSet<u64> = HashSet::new();
+        metadata.insert(0);
+        metadata.extend(clusters(h.reftable_offset, bytes));
+        let l1 = clusters(h.l1_offset, u64::from(h.l1_entries) * 8);
+        if l1.clone().any(|c| metadata.contains(&c)) {
+            return Err(
+                "its L1 table and refcount table overlap (`qemu-img check` tells more)".into(),
+            );
+        }
+        metadata.extend(l1);
+        let mut tables = HashSet::new();
+        for t in l2_tables {
+            if !tables.insert(t >> bits) {
+                return Err(format!(
+                    "two L1 entries point at the L2 table at {t:#x} (`qemu-img check` tells more)"
+                ));
+            }
+        }
+        for &e in reftable.iter().filter(|&&e| e != 0) {
+            if tables.contains(&(e >> bits)) || !metadata.insert(e >> bits) {
+                return Err(format!(
+                    "a refcount block at {e:#x} lies on other metadata (`qemu-img check` tells more)"
+                ));
+            }
+        }
+        metadata.extend(tables);
+        let covered = reftable.len() as u64 * (cluster / 2) * cluster;
+        if covered < file_size + h.size {
+            log::warn!(
+                "its refcount table covers {} MiB of file; the image may grow past that ({} MiB now, {} MiB virtual), and vblk does not grow the table: writes then fail with ENOSPC (qemu-img convert makes a larger one)",
+                covered >> 20,
+                file_size >> 20,
+                h.size >> 20
+            );
+        }
         Ok(Refcounts {
+            metadata,
             cluster_bits: h.cluster_bits,
             reftable_offset: h.reftable_offset,
             reftable,
@@ -146,7 +204,11 @@ impl Refcounts {
         if !own {
             self.set(io, r, 1)?;
         }
+        // The block, and the file's growth to hold it, are durable before the table
+        // points at it (QEMU flushes here too).
+        io.sync()?;
         io.write_all_at(&at.to_be_bytes(), self.reftable_offset + b * 8)?;
+        self.metadata.insert(r);
         self.reftable[b as usize] = at;
         if self.cache.len() == CACHED_BLOCKS {
             self.cache.remove(0);
@@ -160,16 +222,38 @@ impl Refcounts {
     pub(crate) fn reserve(&mut self, io: &FileIo<'_>) -> io::Result<u64> {
         for _ in 0..RESERVE_TRIES {
             let c = self.next_free;
+            if c / self.per_block >= self.reftable.len() as u64 {
+                log::error!(
+                    "qcow2: cluster {c} would need refcount block {}, past the refcount table's {} entries; vblk does not grow the table (qemu-img convert to a new image does)",
+                    c / self.per_block,
+                    self.reftable.len()
+                );
+                return Err(enospc("the refcount table is full"));
+            }
             self.next_free += 1;
-            if self.get(io, c)? == 0 {
+            if self.get(io, c)? == 0 && !self.metadata.contains(&c) {
                 return Ok(c);
             }
         }
         Err(enospc("no free cluster past the end of the file"))
     }
 
+    /// Whether cluster `c` holds metadata.
+    pub(crate) fn is_metadata(&self, c: u64) -> bool {
+        self.metadata.contains(&c)
+    }
+
+    /// Cluster `c` holds metadata from now on (a new L2 table).
+    pub(crate) fn mark_metadata(&mut self, c: u64) {
+        self.metadata.insert(c);
+    }
+
     /// Drop one reference to cluster `c`.
     pub(crate) fn unref(&mut self, io: &FileIo<'_>, c: u64) -> io::Result<()> {
+        if self.is_metadata(c) {
+            log::error!("qcow2: a mapping named metadata cluster {c} as data; its refcount is left alone (`qemu-img check`)");
+            return Ok(());
+        }
         match self.get(io, c)? {
             0 => {
                 log::error!("qcow2: cluster {c} is freed with a refcount of 0 already (the image's refcounts are wrong; `qemu-img check`)");

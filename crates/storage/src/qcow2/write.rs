@@ -50,6 +50,10 @@ pub(crate) struct Writer {
     container: Arc<Backend>,
     version: u32,
     zeros: Vec<u8>,
+    /// An `fdatasync` failed: the kernel may have dropped the writes it was about, and a
+    /// second one would not say so. No mapping is written after that; every write,
+    /// discard and flush fails with EIO from then on.
+    failed: bool,
 }
 
 fn eio() -> io::Error {
@@ -76,6 +80,7 @@ impl Writer {
             container,
             version,
             zeros: vec![0; cluster as usize],
+            failed: false,
         }
     }
 
@@ -108,7 +113,8 @@ impl Writer {
         self.since.get_or_insert_with(Instant::now);
     }
 
-    /// The clusters `old` held, to be freed once its replacement is durable.
+    /// The clusters `old` held, to be freed once its replacement is durable (never a
+    /// metadata cluster a hostile mapping names: `unref` leaves those alone).
     fn free(&mut self, old: Mapping, bits: u32) {
         match old {
             Mapping::Data { host, .. } | Mapping::Zero { host: Some(host) } => {
@@ -121,6 +127,21 @@ impl Writer {
             }
             _ => {}
         }
+    }
+
+    /// Whether the cluster at `host` may take guest data in place: inside the file,
+    /// counted once, and not metadata (a COPIED flag alone is the image's word).
+    pub(crate) fn in_place(
+        &mut self,
+        src: &FileIo<'_>,
+        host: u64,
+        bits: u32,
+        file_size: u64,
+    ) -> io::Result<bool> {
+        let c = host >> bits;
+        Ok(host + (1u64 << bits) <= file_size
+            && !self.refs.is_metadata(c)
+            && self.refs.get(src, c)? == 1)
     }
 }
 
@@ -177,8 +198,10 @@ impl Owner {
         len: u64,
         from: From,
     ) -> io::Result<()> {
-        if self.writer.is_none() {
-            return Err(io::Error::from_raw_os_error(libc::EBADF));
+        match self.writer.as_ref() {
+            None => return Err(io::Error::from_raw_os_error(libc::EBADF)),
+            Some(w) if w.failed => return Err(eio()),
+            Some(_) => {}
         }
         let bits = self.cluster_bits();
         let cluster = 1u64 << bits;
@@ -188,11 +211,27 @@ impl Owner {
         }
         let old = self.current(src, gc)?;
         if let Mapping::Data { host, copied: true } = old {
-            let buf = &mut self.cluster[..len as usize];
-            fill(buf, from);
-            src.write_all_at(buf, host + in_c)?;
-            self.grew(host + in_c + len);
-            return Ok(());
+            let file_size = self.meta.file_size();
+            let w = self.writer.as_mut().ok_or_else(eio)?;
+            if w.in_place(src, host, bits, file_size)? {
+                let buf = &mut self.cluster[..len as usize];
+                fill(buf, from);
+                src.write_all_at(buf, host + in_c)?;
+                return Ok(());
+            }
+        }
+        // A cluster that reads as zeroes (unmapped with nothing below it, or a zero
+        // cluster) needs only the new bytes written: the rest of a new cluster at the end
+        // of the file is a hole, and reads as zeroes too.
+        let backed = self
+            .writer
+            .as_ref()
+            .is_some_and(|w| w.backing_size > gc << bits);
+        let zeroes =
+            matches!(old, Mapping::Zero { .. }) || (matches!(old, Mapping::Unallocated) && !backed);
+        if zeroes && len < cluster {
+            fill(&mut self.cluster[..len as usize], from);
+            return self.allocate(src, gc, old, Some((in_c, len)));
         }
         // Copy on write: the cluster's bytes as they read now (unless all are new), the
         // new ones over them.
@@ -200,7 +239,7 @@ impl Owner {
             self.old_bytes(src, gc, old)?;
         }
         fill(&mut self.cluster[in_c as usize..][..len as usize], from);
-        self.allocate(src, gc, old)
+        self.allocate(src, gc, old, None)
     }
 
     /// Fill `self.cluster` with what guest cluster `gc`, mapped as `m`, reads now.
@@ -222,12 +261,13 @@ impl Owner {
                     return Ok(());
                 };
                 let start = gc << bits;
-                let Some(b) = w.backing.as_mut() else {
-                    return Ok(());
-                };
                 if start >= w.backing_size {
                     return Ok(());
                 }
+                let Some(b) = w.backing.as_mut() else {
+                    // Its engine was given up after a failed read: never zeroes instead.
+                    return Err(eio());
+                };
                 let n = (w.backing_size - start).min(cluster.len() as u64);
                 let v = libc::iovec {
                     iov_base: cluster.as_mut_ptr().cast(),
@@ -267,15 +307,32 @@ impl Owner {
     }
 
     /// Put `self.cluster` in a new cluster mapped at guest cluster `gc` (was `old`),
-    /// making its L2 table first if it has none.
-    fn allocate(&mut self, src: &FileIo<'_>, gc: u64, old: Mapping) -> io::Result<()> {
+    /// making its L2 table first if it has none. With `part = Some((at, len))` the
+    /// cluster read as zeroes: the file is extended over the new cluster (a hole, which
+    /// reads as zeroes) and only `self.cluster[..len]` is written, at `at` in it.
+    fn allocate(
+        &mut self,
+        src: &FileIo<'_>,
+        gc: u64,
+        old: Mapping,
+        part: Option<(u64, u64)>,
+    ) -> io::Result<()> {
         let bits = self.cluster_bits();
         self.ensure_table(src, gc)?;
         let w = self.writer.as_mut().ok_or_else(eio)?;
         let c = w.refs.reserve(src)?;
-        src.write_all_at(&self.cluster, c << bits)?;
+        let end = (c + 1) << bits;
+        match part {
+            Some((at, len)) => {
+                if end > self.meta.file_size() {
+                    src.file.set_len(end)?;
+                }
+                src.write_all_at(&self.cluster[..len as usize], (c << bits) + at)?;
+            }
+            None => src.write_all_at(&self.cluster, c << bits)?,
+        }
         w.refs.set(src, c, 1)?;
-        self.grew((c + 1) << bits);
+        self.grew(end);
         self.remap(
             gc,
             Mapping::Data {
@@ -301,6 +358,7 @@ impl Owner {
             let t = w.refs.reserve(src)?;
             src.write_all_at(&w.zeros, t << bits)?;
             w.refs.set(src, t, 1)?;
+            w.refs.mark_metadata(t);
             w.pending_l1.insert(index, t << bits);
             w.changed();
             self.meta.set_l1(index, t << bits);
@@ -338,7 +396,11 @@ impl Owner {
         let Some(w) = self.writer.as_ref() else {
             return Err(io::Error::from_raw_os_error(libc::EBADF));
         };
-        let (backed, v3) = (w.backing.is_some() || w.backing_size > 0, w.version >= 3);
+        if w.failed {
+            return Err(eio());
+        }
+        let (backing_size, v3) = (w.backing_size, w.version >= 3);
+        let backed = backing_size > 0;
         let bits = self.cluster_bits();
         let cluster = 1u64 << bits;
         let end = offset.checked_add(len).ok_or_else(eio)?;
@@ -370,7 +432,15 @@ impl Owner {
                 }
             }
             if !discard {
-                self.write_piece(src, at, n, From::Zeroes)?;
+                // A cluster that reads as zeroes already stays as it is (allocated or
+                // not: write-zeroes without unmap must not deallocate, and need not
+                // allocate).
+                let old = self.current(src, gc)?;
+                let reads_zeroes = matches!(old, Mapping::Zero { .. })
+                    || (matches!(old, Mapping::Unallocated) && backing_size <= gc << bits);
+                if !reads_zeroes {
+                    self.write_piece(src, at, n, From::Zeroes)?;
+                }
             }
             at += n;
         }
@@ -382,20 +452,40 @@ impl Owner {
 
     /// A guest FLUSH: every completed write durable, with its mapping.
     pub(crate) fn flush_job(&mut self, src: &FileIo<'_>) -> io::Result<()> {
+        if self.writer.as_ref().is_some_and(|w| w.failed) {
+            return Err(eio());
+        }
         if self.writer.as_ref().is_some_and(|w| w.pending()) {
             // Ends with an fdatasync, after the writes the FLUSH covers.
             self.writeback(src)
         } else {
-            src.sync()
+            self.sync(src)
         }
+    }
+
+    /// `fdatasync`; a failure is for good (see `Writer::failed`).
+    fn sync(&mut self, src: &FileIo<'_>) -> io::Result<()> {
+        let r = src.sync();
+        if let (Err(e), Some(w)) = (&r, self.writer.as_mut()) {
+            if !w.failed {
+                log::error!(
+                    "{}: fdatasync failed ({e}): writes may be lost; from now on every write and flush fails (restart the daemon after `qemu-img check`)",
+                    self.name
+                );
+            }
+            w.failed = true;
+        }
+        r
     }
 
     /// Write the changed mappings back (the order in the module's comment).
     pub(crate) fn writeback(&mut self, src: &FileIo<'_>) -> io::Result<()> {
-        if !self.writer.as_ref().is_some_and(|w| w.pending()) {
-            return Ok(());
+        match self.writer.as_ref() {
+            Some(w) if w.failed => return Err(eio()),
+            Some(w) if w.pending() => {}
+            _ => return Ok(()),
         }
-        src.sync()?;
+        self.sync(src)?;
         let per_table = self.meta.header().l2_entries();
         let l1_offset = self.meta.header().l1_offset;
         let bits = self.cluster_bits();
@@ -431,7 +521,13 @@ impl Owner {
             let e = table | super::entry::COPIED;
             src.write_all_at(&e.to_be_bytes(), l1_offset + index * 8)?;
         }
-        src.sync()?;
+        if let Err(e) = src.sync() {
+            w.failed = true;
+            log::error!(
+                "fdatasync after writing mappings failed ({e}): from now on every write and flush fails"
+            );
+            return Err(e);
+        }
         for c in std::mem::take(&mut w.pending_free) {
             w.refs.unref(src, c)?;
         }
