@@ -36,12 +36,17 @@
 #                                       --read-only) vs vblk on the raw file vs
 #                                       qemu-storage-daemon's qcow2 driver, in its main
 #                                       loop and in an IOThread (both aio=io_uring)
+#   qcow2-alloc-4k, qcow2-alloc-64k     random writes to a fresh, empty 64 GiB qcow2
+#                                       image per device (nearly every write is the first
+#                                       to its cluster: allocation), O_DIRECT: vblk
+#                                       (--format qcow2) vs qemu-storage-daemon's qcow2
+#                                       driver in its main loop and in an IOThread
 # Needs qemu-storage-daemon (Debian: qemu-system-common) and taskset (util-linux).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPEAT=${1:-3}
 RUNTIME=${2:-5}
-TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline qcow2-qd1 qcow2-qd32"}
+TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline qcow2-qd1 qcow2-qd32 qcow2-alloc-4k qcow2-alloc-64k"}
 cargo build --release -q -p vblk
 V=$PWD/target/release/vblk
 D=$(mktemp -d /var/tmp/vblk-devices.XXXXXX)
@@ -151,3 +156,24 @@ if want qcow2-qd1 || want qcow2-qd32; then
   want qcow2-qd32 && bench "qcow2-qd32: fully allocated qcow2 on an O_DIRECT file, QD32" --iodepth=32 --compare "$QCOW"
   stop_all
 fi
+
+for bs in 4k 64k; do
+  want "qcow2-alloc-$bs" || continue
+  for v in vblk-alloc qsd-alloc qsd-alloc-iothread; do
+    rm -f "$D/$v.qcow2"
+    qemu-img create -q -f qcow2 "$D/$v.qcow2" 64G
+  done
+  vblk vblk-alloc "$D/vblk-alloc.qcow2" --cache none --format qcow2
+  for v in qsd-alloc qsd-alloc-iothread; do
+    io=""
+    [ "$v" = qsd-alloc-iothread ] && io=iothread
+    qsd "$v" "driver=qcow2,file.driver=file,file.filename=$D/$v.qcow2,file.cache.direct=on,file.aio=io_uring" $io
+  done
+  ALLOC="socket=$(sock vblk-alloc),$(sock qsd-alloc),$(sock qsd-alloc-iothread)"
+  record "qcow2-alloc-$bs" "allocating random writes of $bs to an empty 64 GiB qcow2, QD32" \
+    taskset -c 0 "$V" --log-level warn bench --name "qcow2-alloc-$bs" --bs="$bs" \
+    --rw=randwrite --runtime="$RUNTIME" --time_based --ramp_time=1 --size=64g --iodepth=32 \
+    --repeat "$REPEAT" --compare "$ALLOC"
+  stop_all
+  rm -f "$D"/*-alloc*.qcow2
+done
