@@ -272,7 +272,9 @@ impl Qcow2Engine {
             let write = self.parents[p as usize].write;
             let (kind, at) = match (e, write) {
                 (Entry::Corrupt, _) => (Kind::Corrupt, 0),
-                (Entry::Owned(host), _) => (Kind::Data, host + in_c),
+                (Entry::Owned(host), _) | (Entry::Fresh(host), None | Some(false)) => {
+                    (Kind::Data, host + in_c)
+                }
                 // Not to be written in place: the owner writes it.
                 (_, Some(_)) => (Kind::Slow, off),
                 (Entry::Unallocated, None) if img.backing.is_some() => (Kind::Backing, off),
@@ -579,6 +581,15 @@ impl Qcow2Engine {
                                 }
                                 self.parked.push_back(p);
                             }
+                        }
+                    }
+                    Answer::Place { sub, host } => {
+                        // Allocated by the owner: the data goes to the file from here.
+                        let s = &mut self.subs[sub as usize];
+                        s.target = Target::Image;
+                        s.at = host;
+                        if !self.push_sub(sub) {
+                            self.blocked.push_back(sub);
                         }
                     }
                     Answer::Done { sub, result } => {

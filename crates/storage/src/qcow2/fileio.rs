@@ -3,7 +3,7 @@
 //! through one aligned buffer, kept and grown as needed; a write that does not cover
 //! whole aligned blocks reads them first (the bytes around it are kept).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -20,6 +20,8 @@ pub(crate) struct FileIo<'a> {
     /// O_DIRECT's alignment of buffers.
     mem: u64,
     buf: RefCell<Option<(AlignedBuf, usize)>>,
+    /// The file's size, as far as this handle's writes and `grow_to` made it.
+    end: Cell<u64>,
 }
 
 impl<'a> FileIo<'a> {
@@ -29,7 +31,17 @@ impl<'a> FileIo<'a> {
             align,
             mem: mem.max(1),
             buf: RefCell::new(None),
+            end: Cell::new(file.metadata().map_or(0, |m| m.len())),
         }
+    }
+
+    /// Make the file at least `len` bytes long (the new part a hole). Never shrinks it.
+    pub(crate) fn grow_to(&self, len: u64) -> io::Result<()> {
+        if len > self.end.get() {
+            self.file.set_len(len)?;
+            self.end.set(len);
+        }
+        Ok(())
     }
 
     /// Runs `f` on an aligned buffer of at least `need` bytes.
@@ -111,6 +123,7 @@ impl<'a> FileIo<'a> {
 
     /// Write all of `data` at `offset`.
     pub(crate) fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        self.end.set(self.end.get().max(offset + data.len() as u64));
         if self.align <= 1 {
             return self.file.write_all_at(data, offset);
         }

@@ -73,8 +73,11 @@ pub(crate) enum Answer {
     Loaded { slice: u64 },
     /// Reading the slice failed (an I/O error): requests waiting for it fail.
     Failed { slice: u64, errno: i32 },
-    /// A read job finished: bytes, or an errno.
+    /// A job finished: bytes, or an errno.
     Done { sub: u32, result: Result<u64, i32> },
+    /// A write job's cluster is allocated at `host` (its other bytes read as zeroes):
+    /// the engine writes the data there itself.
+    Place { sub: u32, host: u64 },
 }
 
 /// One engine's inbox: the owner's answers and an eventfd it signals.
@@ -193,10 +196,13 @@ impl Owner {
                     iovcnt,
                     durable,
                     reply,
-                } => {
-                    let result = self.write_job(src, offset, len, iov, iovcnt, durable);
-                    self.answer(&reply, sub, "writing", offset, result);
-                }
+                } => match self.write_job(src, offset, len, iov, iovcnt, durable) {
+                    Ok(Some(host)) => reply.post(Answer::Place { sub, host }),
+                    result => {
+                        let result = result.map(|_| len);
+                        self.answer(&reply, sub, "writing", offset, result)
+                    }
+                },
                 Job::Zero {
                     sub,
                     offset,

@@ -27,8 +27,10 @@ pub(crate) struct Refcounts {
     /// Host offsets of the refcount blocks (0: none yet).
     reftable: Vec<u64>,
     per_block: u64,
-    /// (block index, its refcounts), most recently used last.
-    cache: Vec<(u64, Vec<u16>)>,
+    /// (block index, its refcounts, changed since written), most recently used last.
+    /// Changes are written when a block leaves the cache and at `flush` (the writer's
+    /// writeback, before its first fdatasync): QEMU's refcount cache.
+    cache: Vec<(u64, Vec<u16>, bool)>,
     /// The next cluster index to try for an allocation.
     next_free: u64,
     /// Clusters holding metadata (header, L1 table, refcount table and blocks, L2
@@ -131,7 +133,7 @@ impl Refcounts {
 
     /// The cache index of block `b`, loaded if needed; None when it does not exist.
     fn block(&mut self, io: &FileIo<'_>, b: u64) -> io::Result<Option<usize>> {
-        if let Some(i) = self.cache.iter().position(|(k, _)| *k == b) {
+        if let Some(i) = self.cache.iter().position(|(k, ..)| *k == b) {
             let e = self.cache.remove(i);
             self.cache.push(e);
             return Ok(Some(self.cache.len() - 1));
@@ -146,11 +148,39 @@ impl Refcounts {
             .chunks_exact(2)
             .map(|c| u16::from_be_bytes([c[0], c[1]]))
             .collect();
-        if self.cache.len() == CACHED_BLOCKS {
-            self.cache.remove(0);
-        }
-        self.cache.push((b, counts));
+        self.make_room(io)?;
+        self.cache.push((b, counts, false));
         Ok(Some(self.cache.len() - 1))
+    }
+
+    /// Room for one more block in the cache: the least recently used goes, written
+    /// first if it changed.
+    fn make_room(&mut self, io: &FileIo<'_>) -> io::Result<()> {
+        if self.cache.len() < CACHED_BLOCKS {
+            return Ok(());
+        }
+        let (b, counts, dirty) = self.cache.remove(0);
+        if dirty {
+            self.write_block(io, b, &counts)?;
+        }
+        Ok(())
+    }
+
+    fn write_block(&self, io: &FileIo<'_>, b: u64, counts: &[u16]) -> io::Result<()> {
+        let raw: Vec<u8> = counts.iter().flat_map(|c| c.to_be_bytes()).collect();
+        io.write_all_at(&raw, self.reftable[b as usize])
+    }
+
+    /// Write every changed block.
+    pub(crate) fn flush(&mut self, io: &FileIo<'_>) -> io::Result<()> {
+        for i in 0..self.cache.len() {
+            if self.cache[i].2 {
+                let (b, counts) = (self.cache[i].0, &self.cache[i].1);
+                self.write_block(io, b, counts)?;
+                self.cache[i].2 = false;
+            }
+        }
+        Ok(())
     }
 
     /// Cluster `c`'s refcount (0 where no block covers it).
@@ -176,16 +206,15 @@ impl Refcounts {
             Some(i) => i,
             None => self.new_block(io, b)?,
         };
-        let at = self.reftable[b as usize] + (c % self.per_block) * 2;
-        io.write_all_at(&v.to_be_bytes(), at)?;
         // `new_block` may have loaded other blocks: find block b again.
-        let i = if self.cache.get(i).is_some_and(|(k, _)| *k == b) {
+        let i = if self.cache.get(i).is_some_and(|(k, ..)| *k == b) {
             i
         } else {
             self.block(io, b)?
                 .ok_or_else(|| enospc("refcount block vanished"))?
         };
         self.cache[i].1[(c % self.per_block) as usize] = v;
+        self.cache[i].2 = true;
         Ok(())
     }
 
@@ -202,18 +231,19 @@ impl Refcounts {
         let at = r << self.cluster_bits;
         io.write_all_at(&raw, at)?;
         if !own {
+            // Counted in another block, which is written now, not when it leaves the
+            // cache: the table must not point at an uncounted block.
             self.set(io, r, 1)?;
+            self.flush(io)?;
         }
-        // The block, and the file's growth to hold it, are durable before the table
-        // points at it (QEMU flushes here too).
+        // The block, its count and the file's growth to hold it are durable before the
+        // table points at it (QEMU flushes here too).
         io.sync()?;
         io.write_all_at(&at.to_be_bytes(), self.reftable_offset + b * 8)?;
         self.metadata.insert(r);
         self.reftable[b as usize] = at;
-        if self.cache.len() == CACHED_BLOCKS {
-            self.cache.remove(0);
-        }
-        self.cache.push((b, counts));
+        self.make_room(io)?;
+        self.cache.push((b, counts, false));
         Ok(self.cache.len() - 1)
     }
 

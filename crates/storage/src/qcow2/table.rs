@@ -22,6 +22,10 @@ pub(crate) enum Entry {
     /// As `Data`, and the cluster may be written in place: its refcount is 1 and the
     /// mapping is durable in the file.
     Owned(u64),
+    /// A cluster the writer just allocated (refcount 1), whose mapping is not durable
+    /// yet: written in place except by write-through writes (which must make the mapping
+    /// durable too, so they go to the owner).
+    Fresh(u64),
     /// Needs the owner: a compressed cluster, or a data cluster that reaches past the end
     /// of the file (the part past it reads as zeroes).
     Slow,
@@ -36,6 +40,7 @@ const DATA: u64 = 2;
 const SLOW: u64 = 3;
 const CORRUPT: u64 = 4;
 const OWNED: u64 = 5;
+const FRESH: u64 = 6;
 
 impl Entry {
     /// The entry for a checked mapping in an image file of `file_size` bytes with
@@ -62,6 +67,7 @@ impl Entry {
             // Host offsets are cluster-aligned (at least 512), so the low bits are free.
             Entry::Data(host) => host | DATA,
             Entry::Owned(host) => host | OWNED,
+            Entry::Fresh(host) => host | FRESH,
             Entry::Slow => SLOW,
             Entry::Corrupt => CORRUPT,
         }
@@ -73,6 +79,7 @@ impl Entry {
             ZERO => Entry::Zero,
             DATA => Entry::Data(v & !KIND_MASK),
             OWNED => Entry::Owned(v & !KIND_MASK),
+            FRESH => Entry::Fresh(v & !KIND_MASK),
             SLOW => Entry::Slow,
             _ => Entry::Corrupt,
         }

@@ -30,6 +30,9 @@ use super::table::Entry;
 use crate::backend::Backend;
 use crate::engine::{Engine, Op};
 
+/// How much the file grows at once when a new cluster is a hole.
+const GROW: u64 = 1 << 20;
+
 /// Mappings kept in memory before they are written back regardless of time.
 const MAX_PENDING: usize = 16384;
 
@@ -101,10 +104,10 @@ impl Writer {
     }
 
     /// The table entry for guest cluster `gc` mapped as `m`: a cluster whose mapping is
-    /// not durable yet is not written in place by the workers.
+    /// not durable yet is fresh (written in place by the workers except write-through).
     pub(crate) fn entry(&self, gc: u64, m: Mapping, cluster: u64, file_size: u64) -> Entry {
         match Entry::of(m, cluster, file_size) {
-            Entry::Owned(h) if self.pending_l2.contains_key(&gc) => Entry::Data(h),
+            Entry::Owned(h) if self.pending_l2.contains_key(&gc) => Entry::Fresh(h),
             e => e,
         }
     }
@@ -145,6 +148,15 @@ impl Writer {
     }
 }
 
+/// What a new cluster is filled with: `self.cluster` whole, `self.cluster[..len]` at
+/// `at` (the rest a hole), or nothing yet (the engine writes it).
+#[derive(Clone, Copy)]
+enum Fill {
+    Whole,
+    Part(u64, u64),
+    Nothing,
+}
+
 /// Where the bytes of a write come from.
 #[derive(Clone, Copy)]
 enum From {
@@ -173,7 +185,10 @@ impl Owner {
         }
     }
 
-    /// A write job: guest bytes `[offset, offset + len)`, inside one cluster.
+    /// A write job: guest bytes `[offset, offset + len)`, inside one cluster. Done
+    /// here (None), or, for the first write to a cluster that reads as zeroes, only
+    /// allocated: `Some(host)`, where the engine writes the data itself, in parallel
+    /// with other allocations (the rest of the new cluster is a hole, zeroes).
     pub(crate) fn write_job(
         &mut self,
         src: &FileIo<'_>,
@@ -182,12 +197,44 @@ impl Owner {
         iov: *const libc::iovec,
         iovcnt: u32,
         durable: bool,
-    ) -> io::Result<u64> {
+    ) -> io::Result<Option<u64>> {
+        if !durable {
+            if let Some(host) = self.place(src, offset)? {
+                return Ok(Some(host + (offset & ((1u64 << self.cluster_bits()) - 1))));
+            }
+        }
         self.write_piece(src, offset, len, From::Guest(iov, iovcnt))?;
         if durable {
             self.flush_job(src)?;
         }
-        Ok(len)
+        Ok(None)
+    }
+
+    /// If guest offset `offset`'s cluster reads as zeroes and is not mapped to a cluster
+    /// of its own, give it a new one (a hole) and return it; the data is the caller's.
+    /// A crash before that data lands leaves the cluster reading zeroes, as it did.
+    fn place(&mut self, src: &FileIo<'_>, offset: u64) -> io::Result<Option<u64>> {
+        match self.writer.as_ref() {
+            None => return Err(io::Error::from_raw_os_error(libc::EBADF)),
+            Some(w) if w.failed => return Err(eio()),
+            Some(_) => {}
+        }
+        let bits = self.cluster_bits();
+        let gc = offset >> bits;
+        let old = self.current(src, gc)?;
+        let backed = self
+            .writer
+            .as_ref()
+            .is_some_and(|w| w.backing_size > gc << bits);
+        let zeroes = match old {
+            Mapping::Zero { host: None } => true,
+            Mapping::Unallocated => !backed,
+            _ => false,
+        };
+        if !zeroes {
+            return Ok(None);
+        }
+        self.allocate(src, gc, old, Fill::Nothing).map(Some)
     }
 
     /// Write `[offset, offset + len)` (inside one cluster) from `from`.
@@ -231,7 +278,7 @@ impl Owner {
             matches!(old, Mapping::Zero { .. }) || (matches!(old, Mapping::Unallocated) && !backed);
         if zeroes && len < cluster {
             fill(&mut self.cluster[..len as usize], from);
-            return self.allocate(src, gc, old, Some((in_c, len)));
+            return self.allocate(src, gc, old, Fill::Part(in_c, len)).map(drop);
         }
         // Copy on write: the cluster's bytes as they read now (unless all are new), the
         // new ones over them.
@@ -239,7 +286,7 @@ impl Owner {
             self.old_bytes(src, gc, old)?;
         }
         fill(&mut self.cluster[in_c as usize..][..len as usize], from);
-        self.allocate(src, gc, old, None)
+        self.allocate(src, gc, old, Fill::Whole).map(drop)
     }
 
     /// Fill `self.cluster` with what guest cluster `gc`, mapped as `m`, reads now.
@@ -306,42 +353,30 @@ impl Owner {
         }
     }
 
-    /// Put `self.cluster` in a new cluster mapped at guest cluster `gc` (was `old`),
-    /// making its L2 table first if it has none. With `part = Some((at, len))` the
-    /// cluster read as zeroes: the file is extended over the new cluster (a hole, which
-    /// reads as zeroes) and only `self.cluster[..len]` is written, at `at` in it.
-    fn allocate(
-        &mut self,
-        src: &FileIo<'_>,
-        gc: u64,
-        old: Mapping,
-        part: Option<(u64, u64)>,
-    ) -> io::Result<()> {
+    /// Give guest cluster `gc` (was `old`) a new cluster, making its L2 table first if it
+    /// has none, and fill it as `fill` says; its host offset. A cluster that read as
+    /// zeroes needs only its new bytes (`Part`) or none (`Nothing`): the file is extended
+    /// over it, a hole, which reads as zeroes.
+    fn allocate(&mut self, src: &FileIo<'_>, gc: u64, old: Mapping, fill: Fill) -> io::Result<u64> {
         let bits = self.cluster_bits();
         self.ensure_table(src, gc)?;
         let w = self.writer.as_mut().ok_or_else(eio)?;
         let c = w.refs.reserve(src)?;
         let end = (c + 1) << bits;
-        match part {
-            Some((at, len)) => {
-                if end > self.meta.file_size() {
-                    src.file.set_len(end)?;
-                }
+        match fill {
+            Fill::Whole => src.write_all_at(&self.cluster, c << bits)?,
+            Fill::Part(at, len) => {
+                // Grown a MiB at a time: one ftruncate per 16 allocations of 64 KiB.
+                src.grow_to(end.div_ceil(GROW) * GROW)?;
                 src.write_all_at(&self.cluster[..len as usize], (c << bits) + at)?;
             }
-            None => src.write_all_at(&self.cluster, c << bits)?,
+            Fill::Nothing => src.grow_to(end.div_ceil(GROW) * GROW)?,
         }
         w.refs.set(src, c, 1)?;
         self.grew(end);
-        self.remap(
-            gc,
-            Mapping::Data {
-                host: c << bits,
-                copied: true,
-            },
-            old,
-        );
-        Ok(())
+        let host = c << bits;
+        self.remap(gc, Mapping::Data { host, copied: true }, old);
+        Ok(host)
     }
 
     /// Give guest cluster `gc` an L2 table if it has none: a zeroed cluster, counted, and
@@ -485,6 +520,10 @@ impl Owner {
             Some(w) if w.pending() => {}
             _ => return Ok(()),
         }
+        // The refcounts of the new clusters, then everything written so far, durable.
+        if let Some(w) = self.writer.as_mut() {
+            w.refs.flush(src)?;
+        }
         self.sync(src)?;
         let per_table = self.meta.header().l2_entries();
         let l1_offset = self.meta.header().l1_offset;
@@ -498,24 +537,28 @@ impl Owner {
         let Some(w) = writer.as_mut() else {
             return Ok(());
         };
-        // L2 entries, each run of neighbours in one write.
-        let mut run: Vec<u8> = Vec::new();
-        let mut run_at = 0u64;
+        // L2 entries: each block of a table (4 KiB, or the whole table when it is
+        // smaller) read once, patched with all its entries, written once. Only the owner
+        // writes tables, so nothing else changes the block meanwhile.
+        let block = (1u64 << bits).min(4096);
+        let mut buf = vec![0u8; block as usize];
+        let mut at_block: Option<u64> = None;
         for (&gc, &m) in &w.pending_l2 {
             let table = meta.l1_entry(gc / per_table).ok_or_else(eio)?;
             let at = table + (gc % per_table) * 8;
-            if !run.is_empty() && run_at + run.len() as u64 != at {
-                src.write_all_at(&run, run_at)?;
-                run.clear();
+            let b = at / block * block;
+            if at_block != Some(b) {
+                if let Some(prev) = at_block {
+                    src.write_all_at(&buf, prev)?;
+                }
+                src.read_or_zero(&mut buf, b)?;
+                at_block = Some(b);
             }
-            if run.is_empty() {
-                run_at = at;
-            }
-            run.extend_from_slice(&encode_l2(m).to_be_bytes());
+            let i = (at - b) as usize;
+            buf[i..i + 8].copy_from_slice(&encode_l2(m).to_be_bytes());
         }
-        if !run.is_empty() {
-            src.write_all_at(&run, run_at)?;
-            run.clear();
+        if let Some(prev) = at_block {
+            src.write_all_at(&buf, prev)?;
         }
         for (&index, &table) in &w.pending_l1 {
             let e = table | super::entry::COPIED;
@@ -531,6 +574,7 @@ impl Owner {
         for c in std::mem::take(&mut w.pending_free) {
             w.refs.unref(src, c)?;
         }
+        w.refs.flush(src)?;
         // Durable now: owned clusters may be written in place by the workers. The cached
         // slices say so too: one reloaded from the file before the entries were written
         // there holds the old mappings, and the overlay that hid them goes now.
