@@ -556,9 +556,9 @@ impl Qcow2Engine {
 
     /// Take the owner's answers and the wrapped engines' completions; retry what waits.
     fn collect(&mut self) {
-        {
-            // Always: an answer taken with a later one's count left in the eventfd
-            // would leave the epoll set readable with nothing to do.
+        // Only when an answer or a signal can be there: a translation hit costs no system
+        // call.
+        if self.at_owner > 0 || self.signalled {
             self.signalled = false;
             self.mailbox.take(&mut self.answers);
             while let Some(a) = self.answers.pop_front() {
@@ -596,6 +596,12 @@ impl Qcow2Engine {
                         self.sub_done(sub, result.map_err(io::Error::from_raw_os_error))
                     }
                 }
+            }
+            if self.at_owner == 0 {
+                // Every answer is in. One posted between our read of the eventfd and our
+                // taking of the answers left its count behind: cleared, so that the epoll
+                // set does not stay readable with nothing to do (the worker would spin).
+                self.mailbox.drain();
             }
         }
         let mut reaped = std::mem::take(&mut self.reaped);

@@ -122,11 +122,16 @@ impl Mailbox {
 
     /// Empty the eventfd and move every answer into `out` (whose capacity is kept).
     pub(crate) fn take(&self, out: &mut VecDeque<Answer>) {
+        self.drain();
+        let mut a = self.answers.lock().unwrap_or_else(PoisonError::into_inner);
+        out.extend(a.drain(..));
+    }
+
+    /// Empty the eventfd.
+    pub(crate) fn drain(&self) {
         let mut count = 0u64;
         // SAFETY: reads 8 bytes into a live u64 from our own non-blocking eventfd.
         unsafe { libc::read(self.event.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
-        let mut a = self.answers.lock().unwrap_or_else(PoisonError::into_inner);
-        out.extend(a.drain(..));
     }
 }
 
