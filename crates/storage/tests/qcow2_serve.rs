@@ -11,27 +11,13 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vblk_storage::qcow2::BackingFile;
 use vblk_storage::{Backend, CacheMode, DiskSpec, EngineKind, Error, Format, Op, OpenOptions};
 
 mod common;
 use common::{engine, run, scratch, tool, Buf, Rng};
 
 fn options(backing: &[&Path], cache: CacheMode) -> OpenOptions {
-    let mut o = OpenOptions {
-        read_only: true,
-        cache,
-        backing: backing
-            .iter()
-            .map(|p| BackingFile {
-                path: p.to_path_buf(),
-                format: None,
-            })
-            .collect(),
-        ..OpenOptions::default()
-    };
-    o.image.format = Some(Format::Qcow2);
-    o
+    common::qcow2_options(backing, cache, true)
 }
 
 fn open(path: &Path, o: &OpenOptions) -> Result<Backend, Error> {

@@ -11,26 +11,13 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
-use vblk_storage::qcow2::BackingFile;
-use vblk_storage::{Backend, CacheMode, DiskSpec, Engine, EngineKind, Format, Op, OpenOptions};
+use vblk_storage::{Backend, CacheMode, DiskSpec, Engine, EngineKind, Op, OpenOptions};
 
 mod common;
 use common::{engine, run, run1, scratch, tool, Buf, Rng};
 
 fn options(backing: &[&Path], cache: CacheMode) -> OpenOptions {
-    let mut o = OpenOptions {
-        cache,
-        backing: backing
-            .iter()
-            .map(|p| BackingFile {
-                path: p.to_path_buf(),
-                format: None,
-            })
-            .collect(),
-        ..OpenOptions::default()
-    };
-    o.image.format = Some(Format::Qcow2);
-    o
+    common::qcow2_options(backing, cache, false)
 }
 
 fn raw_of(d: &Path, image: &str) -> Vec<u8> {

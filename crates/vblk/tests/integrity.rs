@@ -465,11 +465,8 @@ fn run_boot(backend: Backend, queue_size: u16, layer: &Path) -> (String, Vec<Str
     if let (Some(image), Some(daemon)) = (&qcow2_image, daemons.last_mut()) {
         // A clean stop writes every mapping back: QEMU then finds no error and no leak.
         let label = labels.last().cloned().unwrap_or_default();
-        // SAFETY: signals a child process the test started.
-        unsafe { libc::kill(daemon.pid() as i32, libc::SIGTERM) };
-        let start = Instant::now();
-        while daemon.exit_status().is_none() && start.elapsed() < Duration::from_secs(60) {
-            std::thread::sleep(Duration::from_millis(100));
+        if !daemon.terminate(Duration::from_secs(60)) {
+            problems.push(format!("{label}: the daemon did not stop on SIGTERM"));
         }
         let out = std::process::Command::new("qemu-img")
             .arg("check")

@@ -376,18 +376,11 @@ fn kill_9_under_allocating_writes_loses_no_flushed_write_and_corrupts_nothing() 
     );
     // A clean stop (SIGTERM) writes everything back: `qemu-img check` then finds nothing
     // but the leaks the kills left.
-    let pid = daemon.pid() as i32;
-    // SAFETY: signals a child process we started.
-    unsafe { libc::kill(pid, libc::SIGTERM) };
     let mut daemon = daemon;
-    let t0 = std::time::Instant::now();
-    while daemon.exit_status().is_none() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "vblk did not stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert!(
+        daemon.terminate(Duration::from_secs(30)),
+        "vblk did not stop on SIGTERM"
+    );
     let (code, text) = qemu_img_check(d, "k.qcow2");
     assert!(
         (code == 0 || code == 3) && !text.contains("ERROR"),
@@ -446,18 +439,11 @@ fn a_frontend_writes_a_qcow2_and_qemu_reads_what_it_wrote() {
         q1.discard_sync(20 << 20, 1 << 20).unwrap();
         q0.flush_sync().unwrap();
     });
-    let pid = daemon.pid() as i32;
-    // SAFETY: signals a child process we started.
-    unsafe { libc::kill(pid, libc::SIGTERM) };
     let mut daemon = daemon;
-    let t0 = std::time::Instant::now();
-    while daemon.exit_status().is_none() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "vblk did not stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert!(
+        daemon.terminate(Duration::from_secs(30)),
+        "vblk did not stop on SIGTERM"
+    );
     let (code, text) = qemu_img_check(d, "top.qcow2");
     assert!(code == 0 && text.contains("No errors were found"), "{text}");
     tool(

@@ -191,6 +191,41 @@ impl Qcow2Engine {
         self.ready.push_back(Completion { token, result });
     }
 
+    /// A read (`write` None) or a write: checked, translated, sent or parked.
+    fn start(
+        &mut self,
+        token: u64,
+        write: Option<bool>,
+        offset: u64,
+        iov: *const libc::iovec,
+        iovcnt: u32,
+    ) {
+        let mut len = 0u64;
+        for i in 0..iovcnt as usize {
+            // SAFETY: `iov` points to `iovcnt` iovecs (push's contract).
+            len += unsafe { (*iov.add(i)).iov_len } as u64;
+        }
+        if !self.in_bounds(offset, len) {
+            self.finish(token, Err(io::Error::from_raw_os_error(libc::EINVAL)));
+            return;
+        }
+        let p = self.new_parent(Parent {
+            token,
+            write,
+            offset,
+            len,
+            iov,
+            iovcnt,
+            pending: 0,
+            errno: 0,
+            waiting: NONE,
+            asked: NONE,
+        });
+        if !self.route(p) {
+            self.park(p);
+        }
+    }
+
     fn in_bounds(&self, offset: u64, len: u64) -> bool {
         offset.is_multiple_of(512)
             && len.is_multiple_of(512)
@@ -670,71 +705,16 @@ impl Engine for Qcow2Engine {
                 offset,
                 iov,
                 iovcnt,
-            } => {
-                let mut len = 0u64;
-                for i in 0..iovcnt as usize {
-                    // SAFETY: `iov` points to `iovcnt` iovecs (push's contract).
-                    len += unsafe { (*iov.add(i)).iov_len } as u64;
-                }
-                let size = self.image.size;
-                if !offset.is_multiple_of(512)
-                    || !len.is_multiple_of(512)
-                    || offset.saturating_add(len) > size
-                {
-                    self.finish(token, Err(io::Error::from_raw_os_error(libc::EINVAL)));
-                    return Ok(());
-                }
-                let p = self.new_parent(Parent {
-                    token,
-                    write: None,
-                    offset,
-                    len,
-                    iov,
-                    iovcnt,
-                    pending: 0,
-                    errno: 0,
-                    waiting: NONE,
-                    asked: NONE,
-                });
-                if !self.route(p) {
-                    self.park(p);
-                }
+            } => self.start(token, None, offset, iov, iovcnt),
+            Op::Write { .. } if !self.image.writable => {
+                self.finish(token, Err(io::Error::from_raw_os_error(libc::EBADF)))
             }
             Op::Write {
                 offset,
                 iov,
                 iovcnt,
                 durable,
-            } => {
-                if !self.image.writable {
-                    self.finish(token, Err(io::Error::from_raw_os_error(libc::EBADF)));
-                    return Ok(());
-                }
-                let mut len = 0u64;
-                for i in 0..iovcnt as usize {
-                    // SAFETY: `iov` points to `iovcnt` iovecs (push's contract).
-                    len += unsafe { (*iov.add(i)).iov_len } as u64;
-                }
-                if !self.in_bounds(offset, len) {
-                    self.finish(token, Err(io::Error::from_raw_os_error(libc::EINVAL)));
-                    return Ok(());
-                }
-                let p = self.new_parent(Parent {
-                    token,
-                    write: Some(durable),
-                    offset,
-                    len,
-                    iov,
-                    iovcnt,
-                    pending: 0,
-                    errno: 0,
-                    waiting: NONE,
-                    asked: NONE,
-                });
-                if !self.route(p) {
-                    self.park(p);
-                }
-            }
+            } => self.start(token, Some(durable), offset, iov, iovcnt),
             Op::Flush if !self.image.writable => self.finish(token, Ok(0)),
             Op::Discard { .. } | Op::WriteZeroes { .. } if !self.image.writable => {
                 self.finish(token, Err(io::Error::from_raw_os_error(libc::EBADF)))

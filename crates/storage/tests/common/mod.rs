@@ -326,3 +326,25 @@ pub fn tool(dir: &Path, program: &str, args: &[&str]) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Options opening a qcow2 image over the backing chain `backing` (in order).
+pub fn qcow2_options(
+    backing: &[&Path],
+    cache: CacheMode,
+    read_only: bool,
+) -> vblk_storage::OpenOptions {
+    let mut o = OpenOptions {
+        read_only,
+        cache,
+        backing: backing
+            .iter()
+            .map(|p| vblk_storage::qcow2::BackingFile {
+                path: p.to_path_buf(),
+                format: None,
+            })
+            .collect(),
+        ..OpenOptions::default()
+    };
+    o.image.format = Some(vblk_storage::Format::Qcow2);
+    o
+}

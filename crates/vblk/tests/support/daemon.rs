@@ -379,6 +379,21 @@ impl Drop for ShowLogOnPanic<'_> {
 }
 
 impl Daemon {
+    /// SIGTERM the daemon and wait up to `limit` for it to exit (a clean stop: requests
+    /// finish, disks are flushed); false if it did not.
+    pub fn terminate(&mut self, limit: std::time::Duration) -> bool {
+        // SAFETY: signals a child process the test started.
+        unsafe { libc::kill(self.pid() as i32, libc::SIGTERM) };
+        let start = std::time::Instant::now();
+        while self.exit_status().is_none() {
+            if start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        true
+    }
+
     /// SIGKILL the daemon and reap it (its socket stays, as a killed daemon's does).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
