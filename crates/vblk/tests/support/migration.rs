@@ -106,6 +106,9 @@ impl Vm {
             format!("unix:{},server=on,wait=off", qmp.display()),
         ];
         if let Some(p) = incoming {
+            // -S: the destination stays paused after the migration until `resume`, so its
+            // memory can be compared with the source's first.
+            extra.push("-S".into());
             extra.push("-incoming".into());
             extra.push(format!("unix:{}", p.display()));
         }
@@ -198,6 +201,46 @@ impl Vm {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Let a migration's destination run (`cont`).
+    pub fn resume(&mut self) -> Result<(), String> {
+        self.qmp.cmd("cont", json!({})).map(|_| ())
+    }
+
+    /// The QEMU process (the child of the `timeout` that runs it).
+    fn qemu_pid(&self) -> Result<u32, String> {
+        let child = self.guard.0.as_ref().ok_or("the QEMU process has ended")?;
+        let id = child.id();
+        let children = fs::read_to_string(format!("/proc/{id}/task/{id}/children"))
+            .map_err(|e| format!("{}: children of {id}: {e}", self.name))?;
+        children
+            .split_whitespace()
+            .next()
+            .and_then(|p| p.parse().ok())
+            .ok_or_else(|| format!("{}: timeout {id} has no QEMU child", self.name))
+    }
+
+    /// The guest's RAM: QEMU's memfd (`memory-backend-memfd,id=mem`), read through /proc.
+    pub fn ram(&self) -> Result<Vec<u8>, String> {
+        let pid = self.qemu_pid()?;
+        let dir = format!("/proc/{pid}/fd");
+        for e in fs::read_dir(&dir).map_err(|e| format!("{dir}: {e}"))? {
+            let path = e.map_err(|e| e.to_string())?.path();
+            let Ok(link) = fs::read_link(&path) else {
+                continue;
+            };
+            if link
+                .to_string_lossy()
+                .starts_with("/memfd:memory-backend-memfd ")
+            {
+                return fs::read(&path).map_err(|e| format!("{}: {e}", path.display()));
+            }
+        }
+        Err(format!(
+            "{}: QEMU {pid} has no memory-backend-memfd",
+            self.name
+        ))
     }
 
     /// `quit`, then wait for the process to end (killed after `within`).
