@@ -36,6 +36,13 @@
 #                                       --read-only) vs vblk on the raw file vs
 #                                       qemu-storage-daemon's qcow2 driver, in its main
 #                                       loop and in an IOThread (both aio=io_uring)
+#   qcow2-chain3-qd1, qcow2-chain3-qd32 the same file as the base of a chain of three
+#                                       qcow2 images, each holding a quarter of the disk
+#                                       (top: the first, then the second, the third; the
+#                                       last quarter is read from the raw base), O_DIRECT:
+#                                       vblk (--backing for each level) vs
+#                                       qemu-storage-daemon with the chain spelled out
+#                                       (every level aio=io_uring, cache.direct=on)
 #   qcow2-alloc-4k, qcow2-alloc-64k     random writes to a fresh, empty 64 GiB qcow2
 #                                       image per device (nearly every write is the first
 #                                       to its cluster: allocation), O_DIRECT: vblk
@@ -46,7 +53,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPEAT=${1:-3}
 RUNTIME=${2:-5}
-TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline qcow2-qd1 qcow2-qd32 qcow2-alloc-4k qcow2-alloc-64k"}
+TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline qcow2-qd1 qcow2-qd32 qcow2-chain3-qd1 qcow2-chain3-qd32 qcow2-alloc-4k qcow2-alloc-64k"}
 cargo build --release -q -p vblk
 V=$PWD/target/release/vblk
 D=$(mktemp -d /var/tmp/vblk-devices.XXXXXX)
@@ -155,6 +162,33 @@ if want qcow2-qd1 || want qcow2-qd32; then
   want qcow2-qd1 && bench "qcow2-qd1: fully allocated qcow2 on an O_DIRECT file, QD1" --iodepth=1 --compare "$QCOW"
   want qcow2-qd32 && bench "qcow2-qd32: fully allocated qcow2 on an O_DIRECT file, QD32" --iodepth=32 --compare "$QCOW"
   stop_all
+fi
+
+if want qcow2-chain3-qd1 || want qcow2-chain3-qd32; then
+  # top.qcow2 -> l2.qcow2 -> l1.qcow2 -> the raw file; each qcow2 level writes its own
+  # quarter of the disk.
+  prev=$IMG prevfmt=raw
+  for level in l1:512M l2:256M top:0; do
+    name=${level%%:*} at=${level#*:}
+    qemu-img create -q -f qcow2 -b "$prev" -F "$prevfmt" "$D/$name.qcow2" 1G
+    qemu-io -f qcow2 -c "write -q -P 0x5a $at 256M" "$D/$name.qcow2" >/dev/null
+    prev=$D/$name.qcow2 prevfmt=qcow2
+  done
+  sync
+  vblk vblk-chain3 "$D/top.qcow2" --cache none --format qcow2 --read-only \
+    --backing "$D/l2.qcow2" --backing "$D/l1.qcow2" --backing "$IMG,format=raw"
+  level() { echo "file.driver=file,file.filename=$1,file.cache.direct=on,file.aio=io_uring,file.locking=off"; }
+  C="driver=qcow2,$(level "$D/top.qcow2")"
+  C="$C,backing.driver=qcow2,$(level "$D/l2.qcow2" | sed 's/file\./backing.file./g')"
+  C="$C,backing.backing.driver=qcow2,$(level "$D/l1.qcow2" | sed 's/file\./backing.backing.file./g')"
+  C="$C,backing.backing.backing.driver=raw,$(level "$IMG" | sed 's/file\./backing.backing.backing.file./g')"
+  qsd qsd-chain3 "$C"
+  qsd qsd-chain3-iothread "$C" iothread
+  CHAIN="socket=$(sock vblk-chain3),$(sock qsd-chain3),$(sock qsd-chain3-iothread)"
+  want qcow2-chain3-qd1 && bench "qcow2-chain3-qd1: a chain of three qcow2 images over a raw file, O_DIRECT, QD1" --iodepth=1 --compare "$CHAIN"
+  want qcow2-chain3-qd32 && bench "qcow2-chain3-qd32: a chain of three qcow2 images over a raw file, O_DIRECT, QD32" --iodepth=32 --compare "$CHAIN"
+  stop_all
+  rm -f "$D"/top.qcow2 "$D"/l1.qcow2 "$D"/l2.qcow2
 fi
 
 for bs in 4k 64k; do

@@ -201,6 +201,9 @@ pub struct DeviceConfig {
     pub throttle_group: Option<String>,
     /// qcow2 images: the backing files below the image, in order (`--backing`).
     pub backing: Vec<storage::qcow2::BackingFile>,
+    /// qcow2 images: the most bytes of L2 entries the metadata owner caches
+    /// (`--qcow2-cache`).
+    pub qcow2_cache: usize,
 }
 
 impl Default for DeviceConfig {
@@ -227,6 +230,7 @@ impl Default for DeviceConfig {
             throttle: Default::default(),
             throttle_group: None,
             backing: Vec::new(),
+            qcow2_cache: storage::qcow2::DEFAULT_CACHE_BYTES,
         }
     }
 }

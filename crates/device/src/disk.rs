@@ -129,7 +129,7 @@ impl DiskShared {
             usize::from(config.num_queues),
             pool.stats().to_vec(),
             config.disk.to_string(),
-            crate::stats::image_of(&disk),
+            &disk,
         ));
         let fence = Arc::new(Fence::new(stats.fence.clone()));
         let mut throttle = DiskThrottle {
@@ -190,6 +190,7 @@ impl OpenedDisk {
             engine_threads: config.engine_threads,
             nbd: config.nbd,
             backing: config.backing.clone(),
+            qcow2_cache: config.qcow2_cache,
         };
         let opened = match file {
             Some(f) => Backend::open_file(&config.disk, f, &options),

@@ -13,7 +13,7 @@
 //! engine; it cannot include the time the chain sat in the ring before the device looked.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -225,13 +225,16 @@ pub(crate) struct Stats {
     pub lifecycle: Arc<LifecycleStats>,
     started: Instant,
     disk: String,
-    /// What the disk's image is ([`image_of`]).
-    image: Value,
+    /// The disk, for what its image is ([`image_of`]) when asked; weak, so that the
+    /// statistics never keep a removed disk's image open.
+    backend: Weak<storage::Backend>,
 }
 
-/// A disk's image format and backing chain: `{"format":"qcow2","version":3,
-/// "cluster_size":..,"virtual_size":..,"file_size":..,"backing":[{"path":..,"format":..},
-/// ..]}`; files and block devices are `{"format":"raw"}`; other disks `null`.
+/// A disk's image format, backing chain and allocation: `{"format":"qcow2","version":3,
+/// "cluster_size":..,"virtual_size":..,"file_size":..,"read_only":..,
+/// "clusters_allocated":..,"l2_slices_read":..,"cache_bytes":..,"writebacks":..,
+/// "backing":[{"path":..,"format":..},..]}` (the counts since the daemon opened it); files
+/// and block devices are `{"format":"raw"}`; other disks `null`.
 pub fn image_of(b: &storage::Backend) -> Value {
     let Some(img) = b.qcow2() else {
         return match b.kind() {
@@ -242,6 +245,7 @@ pub fn image_of(b: &storage::Backend) -> Value {
         };
     };
     let h = img.header();
+    let st = img.stats();
     let mut chain = Vec::new();
     let mut next = img.backing();
     while let Some((b, format)) = next {
@@ -256,8 +260,12 @@ pub fn image_of(b: &storage::Backend) -> Value {
         "version": h.version,
         "cluster_size": h.cluster_size(),
         "virtual_size": h.size,
-        "file_size": img.file_size(),
-        "read_only": true,
+        "file_size": st.file_size,
+        "read_only": !st.writable,
+        "clusters_allocated": st.clusters_allocated,
+        "l2_slices_read": st.l2_slices_read,
+        "cache_bytes": st.cache_bytes,
+        "writebacks": st.writebacks,
         "backing": chain,
     })
 }
@@ -267,7 +275,7 @@ impl Stats {
         num_queues: usize,
         workers: Vec<Arc<WorkerStats>>,
         disk: String,
-        image: Value,
+        backend: &Arc<storage::Backend>,
     ) -> Stats {
         Stats {
             queues: (0..num_queues).map(|_| Arc::default()).collect(),
@@ -277,7 +285,7 @@ impl Stats {
             lifecycle: Arc::default(),
             started: Instant::now(),
             disk,
-            image,
+            backend: Arc::downgrade(backend),
         }
     }
 
@@ -313,7 +321,7 @@ impl Stats {
         json!({
             "vblk_stats": 1,
             "disk": self.disk,
-            "image": self.image,
+            "image": self.backend.upgrade().map_or(Value::Null, |b| image_of(&b)),
             "capacity_bytes": capacity_bytes,
             "uptime_ns": u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX),
             "num_queues": self.queues.len(),

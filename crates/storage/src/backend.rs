@@ -88,7 +88,15 @@ pub struct OpenOptions {
     /// qcow2 images only: the backing chain below the image, in order (the image's
     /// backing file first). vblk opens no file an image names on its own.
     pub backing: Vec<crate::qcow2::BackingFile>,
+    /// qcow2 images only: the most bytes of L2 entries the metadata owner caches
+    /// ([`crate::qcow2::DEFAULT_CACHE_BYTES`] by default, as QEMU's `l2-cache-size`; at
+    /// least one slice of 4 KiB is kept).
+    pub qcow2_cache: usize,
 }
+
+/// The most operations a qcow2 engine's wrapped engines (the image file's, the backing
+/// file's) take at once.
+const PIECE_DEPTH: u32 = 4096;
 
 impl Default for OpenOptions {
     fn default() -> Self {
@@ -100,6 +108,7 @@ impl Default for OpenOptions {
             engine_threads: DEFAULT_ENGINE_THREADS,
             nbd: NbdOptions::default(),
             backing: Vec::new(),
+            qcow2_cache: crate::qcow2::DEFAULT_CACHE_BYTES,
         }
     }
 }
@@ -452,8 +461,11 @@ impl Backend {
     ) -> Result<Box<dyn Engine>, Error> {
         let depth_n = check_depth(depth)?;
         if let Some(image) = &self.qcow2 {
-            // Pieces of a request may outnumber requests: the wrapped engines get room.
-            let room = depth.saturating_mul(4).min(crate::engine::MAX_DEPTH);
+            // Pieces of a request may outnumber requests: the wrapped engines get room,
+            // up to PIECE_DEPTH (a chain would otherwise multiply it at every level, and
+            // an io_uring of 32768 entries needs memory the kernel may not find in one
+            // piece); a piece that does not fit waits in the qcow2 engine.
+            let room = depth.saturating_mul(4).min(PIECE_DEPTH).max(depth);
             let inner = image.container.engine(kind, room)?;
             let backing = match &image.backing {
                 Some(b) => Some(b.engine(kind, room)?),

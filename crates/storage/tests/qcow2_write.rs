@@ -168,12 +168,23 @@ fn writes_read_back_and_qemu_finds_them_and_no_error() {
         "qemu-io",
         &["-f", "raw", "-c", "write -P 0x11 0 6M", "base.raw"],
     );
-    for (kind, cache, cluster, backed) in [
-        (EngineKind::IoUring, CacheMode::Writeback, "65536", true),
-        (EngineKind::IoUring, CacheMode::None, "65536", false),
-        (EngineKind::Aio, CacheMode::None, "4096", true),
-        (EngineKind::Threads, CacheMode::Writeback, "512", true),
-        (EngineKind::Sync, CacheMode::Writeback, "2M", false),
+    // The owner's metadata cache: the default, or 2 slices (8 KiB), so that slices are
+    // evicted and reloaded between a change and its writeback, and written back from
+    // the file rather than the cache.
+    const TINY: usize = 8192;
+    const DEFAULT: usize = vblk_storage::qcow2::DEFAULT_CACHE_BYTES;
+    for (kind, cache, cluster, backed, meta_cache) in [
+        (
+            EngineKind::IoUring,
+            CacheMode::Writeback,
+            "65536",
+            true,
+            DEFAULT,
+        ),
+        (EngineKind::IoUring, CacheMode::None, "65536", false, TINY),
+        (EngineKind::Aio, CacheMode::None, "4096", true, TINY),
+        (EngineKind::Threads, CacheMode::Writeback, "512", true, TINY),
+        (EngineKind::Sync, CacheMode::Writeback, "2M", false, DEFAULT),
     ] {
         let name = format!("w-{kind}-{cluster}.qcow2");
         let opts = format!("cluster_size={cluster}");
@@ -191,14 +202,18 @@ fn writes_read_back_and_qemu_finds_them_and_no_error() {
         let mut shadow = raw_of(d, &name);
         let base = d.join("base.raw");
         let backing: Vec<&Path> = if backed { vec![&base] } else { vec![] };
+        let o = OpenOptions {
+            qcow2_cache: meta_cache,
+            ..options(&backing, cache)
+        };
         let b = Arc::new(
-            Backend::open(&DiskSpec::File(d.join(&name)), &options(&backing, cache))
+            Backend::open(&DiskSpec::File(d.join(&name)), &o)
                 .unwrap_or_else(|e| panic!("{name}: {e}")),
         );
         assert!(!b.read_only());
         let block = u64::from(b.logical_block_size());
         let misalign = if block > 512 { 0 } else { 8 };
-        eprintln!("{name}: {kind}, cache {cache:?}");
+        eprintln!("{name}: {kind}, cache {cache:?}, metadata cache {meta_cache} bytes");
         {
             let mut e = engine(&b, kind, 32);
             let cluster = b.qcow2().unwrap().header().cluster_size();

@@ -524,6 +524,17 @@ mod tests {
         assert_eq!((c.num_queues, c.queue_size), (4, 128));
         assert_eq!(c.engine, EngineKind::Sync);
         assert_eq!(c.cache, CacheMode::None);
+        assert_eq!(c.qcow2_cache, 8 << 20);
+        let (big, _) = serve(&[
+            "--socket-path",
+            "/x",
+            "--blk-file",
+            "null:1G",
+            "--qcow2-cache",
+            "32M",
+        ])
+        .unwrap();
+        assert_eq!(big.qcow2_cache, 32 << 20);
         let (d, disks) = plan_of(&[
             "--socket-path",
             "/run/x.sock",
@@ -628,6 +639,18 @@ mod tests {
         ])
         .unwrap_err();
         assert!(e.contains("bad CPU list"), "{e}");
+        for (size, want) in [("1K", "takes 4K to 4G"), ("8X", "size")] {
+            let e = serve(&[
+                "--socket-path",
+                "/x",
+                "--blk-file",
+                "null:1G",
+                "--qcow2-cache",
+                size,
+            ])
+            .unwrap_err();
+            assert!(e.contains(want), "{size}: {e}");
+        }
         let e = serve(&[
             "--socket-path",
             "/x",

@@ -235,16 +235,30 @@ fn print_disk(v: &Value, uptime_ns: u64) {
                     .collect()
             })
             .unwrap_or_default();
+        let cluster = u(&i["cluster_size"]);
+        let allocated = u(&i["clusters_allocated"]);
         println!(
-            "image: qcow2 version {}, clusters of {} KiB, file {:.1} MiB, read-only, backing chain: {}",
+            "image: qcow2 version {}, clusters of {} KiB, file {:.1} MiB, {}, backing chain: {}",
             u(&i["version"]),
-            u(&i["cluster_size"]) / 1024,
+            cluster / 1024,
             u(&i["file_size"]) as f64 / (1u64 << 20) as f64,
+            if i["read_only"] == true {
+                "read-only"
+            } else {
+                "writable"
+            },
             if chain.is_empty() {
                 "none".to_owned()
             } else {
                 chain.join(" over ")
             }
+        );
+        println!(
+            "image since start: {allocated} clusters allocated ({:.1} MiB), mappings written back {} times; L2 cache of {} KiB, {} slices read from the file",
+            (allocated * cluster) as f64 / (1u64 << 20) as f64,
+            u(&i["writebacks"]),
+            u(&i["cache_bytes"]) / 1024,
+            u(&i["l2_slices_read"]),
         );
     }
     let queues = v["queues"].as_array().cloned().unwrap_or_default();

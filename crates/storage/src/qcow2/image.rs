@@ -4,6 +4,7 @@
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -60,9 +61,43 @@ impl std::fmt::Display for BackingFile {
 /// The most L2 slices the translation table holds (4 KiB each): 8 MiB, which maps
 /// 64 GiB of guest space with 64 KiB clusters, as QEMU's largest default L2 cache does.
 const MAX_TABLE_SLICES: u64 = 2048;
+/// The owner's metadata cache by default: 8 MiB of L2 entries (taken as slices are
+/// loaded), as the translation table. The owner looks every allocation up there; a miss
+/// is a synchronous read on its thread, so a cache smaller than what the guest writes
+/// over turns every allocation into a read of the disk.
+pub const DEFAULT_CACHE_BYTES: usize = 8 << 20;
 /// Jobs waiting at an image's owner, from all its engines (an engine whose job does not
 /// fit retries at its next submit or reap).
 const JOB_QUEUE: usize = 1024;
+
+/// What an image's metadata owner did since the image was opened.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    /// Data clusters allocated.
+    pub(crate) allocated: AtomicU64,
+    /// L2 slices read from the file (metadata cache misses).
+    pub(crate) l2_reads: AtomicU64,
+    /// Changed mappings written back (each ends with an fdatasync).
+    pub(crate) writebacks: AtomicU64,
+}
+
+/// An image's figures for `vblk stats`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImageStats {
+    /// Served writable.
+    pub writable: bool,
+    /// The image file's size in bytes.
+    pub file_size: u64,
+    /// Data clusters allocated since the image was opened.
+    pub clusters_allocated: u64,
+    /// L2 slices (4 KiB of entries) read from the file: misses of the metadata cache.
+    pub l2_slices_read: u64,
+    /// The metadata cache's capacity in bytes (`--qcow2-cache`).
+    pub cache_bytes: u64,
+    /// Times the changed mappings were written back (a FLUSH, a second after a change,
+    /// or many changes).
+    pub writebacks: u64,
+}
 
 /// An opened qcow2 image, shared by every engine on it.
 pub struct Image {
@@ -78,6 +113,8 @@ pub struct Image {
     backing_format: Option<Format>,
     jobs: Mutex<Option<SyncSender<Job>>>,
     owner: Option<JoinHandle<()>>,
+    counters: Arc<Counters>,
+    cache_bytes: u64,
 }
 
 impl Image {
@@ -148,6 +185,19 @@ impl Image {
     pub fn file_size(&self) -> u64 {
         self.container.size()
     }
+
+    /// What the image's metadata owner did since it was opened.
+    pub fn stats(&self) -> ImageStats {
+        let c = &self.counters;
+        ImageStats {
+            writable: self.writable,
+            file_size: self.file_size(),
+            clusters_allocated: c.allocated.load(Ordering::Relaxed),
+            l2_slices_read: c.l2_reads.load(Ordering::Relaxed),
+            cache_bytes: self.cache_bytes,
+            writebacks: c.writebacks.load(Ordering::Relaxed),
+        }
+    }
 }
 
 impl Drop for Image {
@@ -206,7 +256,9 @@ pub(crate) fn open(
             align.1
         )));
     }
-    let meta = Meta::open(&reader, header.clone(), 16).map_err(|e| fail(e.to_string()))?;
+    let cache_slices = (opts.qcow2_cache / 4096).max(1);
+    let meta =
+        Meta::open(&reader, header.clone(), cache_slices).map_err(|e| fail(e.to_string()))?;
     let refs = if opts.read_only {
         None
     } else if container.kind() == crate::BackendKind::BlockDevice {
@@ -252,7 +304,10 @@ pub(crate) fn open(
         inflater: Box::default(),
         writer,
         entries: Vec::new(),
+        mappings: Vec::new(),
+        counters: Arc::default(),
     };
+    let counters = Arc::clone(&owner.counters);
     let c = Arc::clone(&container);
     let handle = std::thread::Builder::new()
         .name("vblk-qcow2".into())
@@ -288,6 +343,8 @@ pub(crate) fn open(
         backing_format,
         jobs: Mutex::new(Some(tx)),
         owner: Some(handle),
+        counters,
+        cache_bytes: cache_slices as u64 * 4096,
     })
 }
 

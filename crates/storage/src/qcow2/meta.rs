@@ -1,8 +1,16 @@
-//! An image's mapping metadata, read-only: the L1 table loaded whole at open (QEMU keeps
-//! it in memory too; at most 32 MiB), and L2 tables read in 4 KiB slices (512 entries)
-//! into a cache of a fixed number of slots, each entry decoded and checked when its slice
-//! is loaded. A lookup answers where a guest range's bytes are, as runs of one
-//! [`Mapping`] kind, never longer than the rest of the cluster.
+//! An image's mapping metadata: the L1 table loaded whole at open (QEMU keeps it in
+//! memory too; at most 32 MiB), and L2 tables read in 4 KiB slices (512 entries) into a
+//! bounded cache, every entry checked when its slice is loaded and kept as the file's
+//! 8-byte entry (4 KiB a slice, as QEMU's cache: a 64 GiB image with 64 KiB clusters
+//! needs 8 MiB to be held whole). The cache is found through a hash index and evicts with
+//! the clock algorithm, so neither a lookup nor a miss scans it. A lookup answers where a
+//! guest range's bytes are, as runs of one [`Mapping`] kind, never longer than the rest
+//! of the cluster.
+//!
+//! The writer (write.rs) changes cached entries as it maps clusters ([`Meta::set_l2`]),
+//! writes whole cached slices back ([`Meta::cached_slice`]), and says which L2 tables it
+//! made this session and are still all zeroes in the file ([`Meta::zeroed_table`]): their
+//! slices are made in the cache without a read.
 //!
 //! Checks beyond the entries' own (entry.rs): an L2 table or a data cluster must not
 //! overlap the header, the L1 table or the refcount table, and an L2 table must lie
@@ -12,6 +20,7 @@
 //! This is the metadata owner's view (docs/design-notes.md, "qcow2"): it blocks on
 //! `pread`, so it runs on the owner's thread, never on a worker.
 
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -116,10 +125,12 @@ pub struct Run {
 
 struct Slot {
     /// The slice's first entry's index in the L2 address space (l1 index * entries per
-    /// table + slice start), or u64::MAX when empty.
+    /// table + slice start).
     key: u64,
-    entries: [Mapping; SLICE_ENTRIES as usize],
-    used: u64,
+    /// The entries as the file has them (or as the writer changed them), checked.
+    raw: Box<[u64; SLICE_ENTRIES as usize]>,
+    /// Used since the clock hand last passed.
+    referenced: bool,
 }
 
 /// The mapping metadata of one image.
@@ -128,17 +139,26 @@ pub struct Meta {
     file_size: u64,
     l1: Vec<Option<u64>>,
     slots: Vec<Slot>,
-    clock: u64,
+    /// Slice key → its slot.
+    index: HashMap<u64, usize>,
+    /// The most slots.
+    capacity: usize,
+    /// The clock's hand: the next slot considered for eviction.
+    hand: usize,
+    /// L2 tables made this session that are all zeroes in the file so far.
+    zeroed: HashSet<u64>,
     /// Metadata ranges a mapping must not overlap: [start, end).
     reserved: Vec<(u64, u64, &'static str)>,
     buf: Box<[u8; SLICE_BYTES]>,
+    /// A slice's entries being checked, swapped into the slot they go to.
+    spare: Box<[u64; SLICE_ENTRIES as usize]>,
     /// Slices read from the file (for tests and statistics).
     pub loads: u64,
 }
 
 impl Meta {
     /// Load the L1 table of the image `header` describes, with room for `slots` L2
-    /// slices (at least one).
+    /// slices of 4 KiB (at least one; taken as slices are loaded).
     pub fn open(file: &impl Source, header: Header, slots: usize) -> Result<Meta, MetaError> {
         let file_size = file.size()?;
         let mut raw = vec![0u8; header.l1_entries as usize * 8];
@@ -178,19 +198,18 @@ impl Meta {
             }
             l1.push(l2);
         }
-        let empty = || Slot {
-            key: u64::MAX,
-            entries: [Mapping::Unallocated; SLICE_ENTRIES as usize],
-            used: 0,
-        };
         Ok(Meta {
             header,
             file_size,
             l1,
-            slots: (0..slots.max(1)).map(|_| empty()).collect(),
-            clock: 0,
+            slots: Vec::new(),
+            index: HashMap::new(),
+            capacity: slots.max(1),
+            hand: 0,
+            zeroed: HashSet::new(),
             reserved,
             buf: Box::new([0; SLICE_BYTES]),
+            spare: Box::new([0; SLICE_ENTRIES as usize]),
             loads: 0,
         })
     }
@@ -225,7 +244,8 @@ impl Meta {
         let slice_start = l2_index / SLICE_ENTRIES * SLICE_ENTRIES;
         let key = l1_index * per_table + slice_start;
         let slot = self.slot(file, key, table + slice_start * 8, l1_index, slice_start)?;
-        let mapping = self.slots[slot].entries[(l2_index - slice_start) as usize];
+        let raw = self.slots[slot].raw[(l2_index - slice_start) as usize];
+        let mapping = self.decode(raw, l1_index * per_table + l2_index)?;
         let (host_offset, past_eof) = match mapping {
             Mapping::Data { host, .. } => (host + in_cluster, host + cluster > self.file_size),
             _ => (0, false),
@@ -269,13 +289,41 @@ impl Meta {
     /// The writer changed guest cluster `cluster`'s mapping: the cached slice holding it,
     /// if any, says so from now on.
     pub fn set_l2(&mut self, cluster: u64, m: Mapping) {
+        let (key, k) = self.slice_key(cluster);
+        if let Some(&i) = self.index.get(&key) {
+            self.slots[i].raw[k] = entry::encode_l2(m);
+        }
+    }
+
+    /// The writer made L2 table `table` (a cluster of zeroes in the file): its slices are
+    /// zeroes until [`Meta::tables_written`].
+    pub fn zeroed_table(&mut self, table: u64) {
+        self.zeroed.insert(table);
+    }
+
+    /// The writer wrote the L2 entries it had changed into the file: the tables it made
+    /// are no longer all zeroes there.
+    pub fn tables_written(&mut self) {
+        self.zeroed.clear();
+    }
+
+    /// Slice `key` (as [`Meta::slice_key`] gives) if it is cached: its entries as the
+    /// file has them, with the writer's changes.
+    pub fn cached_slice(&self, key: u64) -> Option<&[u64]> {
+        let n = self.slice_clusters() as usize;
+        self.index.get(&key).map(|&i| &self.slots[i].raw[..n])
+    }
+
+    /// The key of the slice holding guest cluster `cluster`, and the cluster's index in
+    /// it.
+    pub fn slice_key(&self, cluster: u64) -> (u64, usize) {
         let per_table = self.header.l2_entries();
         let (l1_index, l2_index) = (cluster / per_table, cluster % per_table);
         let slice_start = l2_index / SLICE_ENTRIES * SLICE_ENTRIES;
-        let key = l1_index * per_table + slice_start;
-        if let Some(s) = self.slots.iter_mut().find(|s| s.key == key) {
-            s.entries[(l2_index - slice_start) as usize] = m;
-        }
+        (
+            l1_index * per_table + slice_start,
+            (l2_index - slice_start) as usize,
+        )
     }
 
     /// Guest clusters per slice: 512, or all of an L2 table when it holds fewer.
@@ -284,11 +332,15 @@ impl Meta {
     }
 
     /// The checked mappings of slice `slice` (guest clusters `slice * slice_clusters()`
-    /// onwards; the last slice may reach past the virtual size). Clusters whose L2 table
-    /// is absent are unallocated.
-    pub fn slice(&mut self, file: &impl Source, slice: u64) -> Result<&[Mapping], MetaError> {
-        const NONE: [Mapping; SLICE_ENTRIES as usize] =
-            [Mapping::Unallocated; SLICE_ENTRIES as usize];
+    /// onwards; the last slice may reach past the virtual size) into `out`. Clusters
+    /// whose L2 table is absent are unallocated.
+    pub fn slice(
+        &mut self,
+        file: &impl Source,
+        slice: u64,
+        out: &mut Vec<Mapping>,
+    ) -> Result<(), MetaError> {
+        out.clear();
         let n = self.slice_clusters();
         let first = slice.saturating_mul(n);
         let per_table = self.header.l2_entries();
@@ -303,15 +355,31 @@ impl Meta {
             });
         }
         let Some(Some(table)) = self.l1.get(l1_index as usize).copied() else {
-            return Ok(&NONE[..n as usize]);
+            out.resize(n as usize, Mapping::Unallocated);
+            return Ok(());
         };
         let key = l1_index * per_table + slice_start;
         let slot = self.slot(file, key, table + slice_start * 8, l1_index, slice_start)?;
-        Ok(&self.slots[slot].entries[..n as usize])
+        for k in 0..n {
+            let raw = self.slots[slot].raw[k as usize];
+            out.push(self.decode(raw, key + k)?);
+        }
+        Ok(())
     }
 
-    /// The cache slot holding slice `key`, read from `at` if it is not resident (into
-    /// the least recently used slot).
+    /// A cached entry as a mapping (it was checked when its slice was loaded, or made
+    /// by the writer).
+    fn decode(&self, raw: u64, index: u64) -> Result<Mapping, MetaError> {
+        let (bits, version) = (self.header.cluster_bits, self.header.version);
+        entry::l2(raw, bits, version).map_err(|error| MetaError::Entry {
+            table: "L2",
+            index,
+            error,
+        })
+    }
+
+    /// The cache slot holding slice `key`, read from `at` if it is not resident (into a
+    /// free slot, or the first the clock finds unused since its last pass).
     fn slot(
         &mut self,
         file: &impl Source,
@@ -320,22 +388,21 @@ impl Meta {
         l1_index: u64,
         slice_start: u64,
     ) -> Result<usize, MetaError> {
-        self.clock += 1;
-        if let Some(i) = self.slots.iter().position(|s| s.key == key) {
-            self.slots[i].used = self.clock;
+        if let Some(&i) = self.index.get(&key) {
+            self.slots[i].referenced = true;
             return Ok(i);
         }
         // An L2 table of a small cluster holds fewer entries than a slice.
         let n = (self.header.l2_entries() - slice_start).min(SLICE_ENTRIES) as usize;
-        file.read_exact_at(&mut self.buf[..n * 8], at)?;
-        self.loads += 1;
-        let victim = (0..self.slots.len())
-            .min_by_key(|&i| self.slots[i].used)
-            .unwrap_or(0);
+        let table = at - slice_start * 8;
+        if self.zeroed.contains(&table) {
+            self.buf[..n * 8].fill(0);
+        } else {
+            file.read_exact_at(&mut self.buf[..n * 8], at)?;
+            self.loads += 1;
+        }
         let cluster = self.header.cluster_size();
         let (bits, version) = (self.header.cluster_bits, self.header.version);
-        let slot = &mut self.slots[victim];
-        slot.key = u64::MAX;
         for (k, e) in self.buf[..n * 8].chunks_exact(8).enumerate() {
             let e = u64::from_be_bytes(e.try_into().unwrap_or([0; 8]));
             let index = l1_index * (cluster / 8) + slice_start + k as u64;
@@ -359,10 +426,32 @@ impl Meta {
                 }
                 _ => {}
             }
-            slot.entries[k] = m;
+            self.spare[k] = e;
         }
-        slot.key = key;
-        slot.used = self.clock;
+        if self.slots.len() < self.capacity {
+            let raw = std::mem::replace(&mut self.spare, Box::new([0; SLICE_ENTRIES as usize]));
+            self.slots.push(Slot {
+                key,
+                raw,
+                referenced: true,
+            });
+            let i = self.slots.len() - 1;
+            self.index.insert(key, i);
+            return Ok(i);
+        }
+        let victim = loop {
+            let i = self.hand;
+            self.hand = (self.hand + 1) % self.slots.len();
+            if !std::mem::take(&mut self.slots[i].referenced) {
+                break i;
+            }
+        };
+        let s = &mut self.slots[victim];
+        self.index.remove(&s.key);
+        std::mem::swap(&mut s.raw, &mut self.spare);
+        s.key = key;
+        s.referenced = true;
+        self.index.insert(key, victim);
         Ok(victim)
     }
 }

@@ -16,4 +16,4 @@ mod table;
 mod write;
 
 pub use header::{Header, HeaderError};
-pub use image::{BackingFile, Image};
+pub use image::{BackingFile, Image, ImageStats, DEFAULT_CACHE_BYTES};

@@ -10,6 +10,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -18,6 +19,7 @@ use miniz_oxide::inflate::core::{decompress, inflate_flags, DecompressorOxide};
 
 use super::entry::Mapping;
 use super::fileio::FileIo;
+use super::image::Counters;
 use super::iov;
 use super::meta::{Meta, MetaError, Source};
 use super::table::{Entry, Table};
@@ -148,6 +150,10 @@ pub(crate) struct Owner {
     pub(crate) writer: Option<Writer>,
     /// A slice's entries on their way into the table (kept for its capacity).
     pub(crate) entries: Vec<Entry>,
+    /// A slice's mappings, as the metadata gives them (kept for its capacity).
+    pub(crate) mappings: Vec<Mapping>,
+    /// What the owner did, for `vblk stats`.
+    pub(crate) counters: Arc<Counters>,
 }
 
 /// How long mappings of acknowledged writes wait in memory, at most, before the owner
@@ -177,58 +183,65 @@ impl Owner {
                 }
             }
             let Some(job) = job else { continue };
-            match job {
-                Job::Load { slice, reply } => {
-                    let a = self.load(src, slice, &mut corrupt_logged);
-                    reply.post(a);
-                }
-                Job::Read {
-                    sub,
-                    offset,
-                    len,
-                    iov,
-                    iovcnt,
-                    reply,
-                } => {
-                    let result = self.read(src, offset, len, iov, iovcnt);
-                    self.answer(&reply, sub, "reading", offset, result);
-                }
-                Job::Write {
-                    sub,
-                    offset,
-                    len,
-                    iov,
-                    iovcnt,
-                    durable,
-                    reply,
-                } => match self.write_job(src, offset, len, iov, iovcnt, durable) {
-                    Ok(Some(host)) => reply.post(Answer::Place { sub, host }),
-                    result => {
-                        let result = result.map(|_| len);
-                        self.answer(&reply, sub, "writing", offset, result)
-                    }
-                },
-                Job::Zero {
-                    sub,
-                    offset,
-                    len,
-                    unmap,
-                    discard,
-                    durable,
-                    reply,
-                } => {
-                    let result = self.zero_job(src, offset, len, unmap, discard, durable);
-                    self.answer(&reply, sub, "zeroing", offset, result);
-                }
-                Job::Flush { sub, reply } => {
-                    let result = self.flush_job(src).map(|()| 0);
-                    self.answer(&reply, sub, "flushing", 0, result);
-                }
-            }
+            self.job(src, job, &mut corrupt_logged);
+            self.counters
+                .l2_reads
+                .store(self.meta.loads, Ordering::Relaxed);
         }
         // Every engine is gone: what they wrote gets its mappings on the disk.
         if let Err(e) = self.writeback(src) {
             log::error!("{}: writing mappings back at close: {e}", self.name);
+        }
+    }
+
+    fn job(&mut self, src: &FileIo<'_>, job: Job, corrupt_logged: &mut bool) {
+        match job {
+            Job::Load { slice, reply } => {
+                let a = self.load(src, slice, corrupt_logged);
+                reply.post(a);
+            }
+            Job::Read {
+                sub,
+                offset,
+                len,
+                iov,
+                iovcnt,
+                reply,
+            } => {
+                let result = self.read(src, offset, len, iov, iovcnt);
+                self.answer(&reply, sub, "reading", offset, result);
+            }
+            Job::Write {
+                sub,
+                offset,
+                len,
+                iov,
+                iovcnt,
+                durable,
+                reply,
+            } => match self.write_job(src, offset, len, iov, iovcnt, durable) {
+                Ok(Some(host)) => reply.post(Answer::Place { sub, host }),
+                result => {
+                    let result = result.map(|_| len);
+                    self.answer(&reply, sub, "writing", offset, result)
+                }
+            },
+            Job::Zero {
+                sub,
+                offset,
+                len,
+                unmap,
+                discard,
+                durable,
+                reply,
+            } => {
+                let result = self.zero_job(src, offset, len, unmap, discard, durable);
+                self.answer(&reply, sub, "zeroing", offset, result);
+            }
+            Job::Flush { sub, reply } => {
+                let result = self.flush_job(src).map(|()| 0);
+                self.answer(&reply, sub, "flushing", 0, result);
+            }
         }
     }
 
@@ -250,8 +263,11 @@ impl Owner {
         let file_size = self.meta.file_size();
         let first = slice * self.table.per_slice();
         let bits = self.meta.header().cluster_bits;
-        match self.meta.slice(src, slice) {
-            Ok(entries) => {
+        let mut mappings = std::mem::take(&mut self.mappings);
+        let r = self.meta.slice(src, slice, &mut mappings);
+        let entries = &mappings;
+        let answer = match r {
+            Ok(()) => {
                 // Mappings written but not yet in the file come from the writer, and a
                 // cluster is written in place only if the writer agrees it may be.
                 let mut out = std::mem::take(&mut self.entries);
@@ -295,7 +311,9 @@ impl Owner {
                     .put(slice, std::iter::repeat_n(Entry::Corrupt, n));
                 Answer::Loaded { slice }
             }
-        }
+        };
+        self.mappings = mappings;
+        answer
     }
 
     /// A cluster that needs the owner: compressed, or reaching past the end of the file.

@@ -18,6 +18,7 @@
 
 use std::collections::BTreeMap;
 use std::io;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,6 +33,9 @@ use crate::engine::{Engine, Op};
 
 /// How much the file grows at once when a new cluster is a hole.
 const GROW: u64 = 1 << 20;
+
+/// The most L2 bytes written back in one write.
+const MAX_RUN: usize = 1 << 20;
 
 /// Mappings kept in memory before they are written back regardless of time.
 const MAX_PENDING: usize = 16384;
@@ -376,6 +380,7 @@ impl Owner {
         self.grew(end);
         let host = c << bits;
         self.remap(gc, Mapping::Data { host, copied: true }, old);
+        self.counters.allocated.fetch_add(1, Ordering::Relaxed);
         Ok(host)
     }
 
@@ -397,6 +402,7 @@ impl Owner {
             w.pending_l1.insert(index, t << bits);
             w.changed();
             self.meta.set_l1(index, t << bits);
+            self.meta.zeroed_table(t << bits);
             self.grew((t + 1) << bits);
         }
         Ok(())
@@ -537,29 +543,43 @@ impl Owner {
         let Some(w) = writer.as_mut() else {
             return Ok(());
         };
-        // L2 entries: each block of a table (4 KiB, or the whole table when it is
-        // smaller) read once, patched with all its entries, written once. Only the owner
-        // writes tables, so nothing else changes the block meanwhile.
-        let block = (1u64 << bits).min(4096);
-        let mut buf = vec![0u8; block as usize];
-        let mut at_block: Option<u64> = None;
-        for (&gc, &m) in &w.pending_l2 {
+        // L2 entries, a slice (4 KiB, or the whole table when it is smaller) at a time:
+        // a cached slice is written as the cache has it (the writer's changes are in it),
+        // another is read and patched. Slices next to each other in a table go out in one
+        // write. Only the owner writes tables, so nothing changes them meanwhile.
+        let slice_bytes = meta.slice_clusters() * 8;
+        let mut run: Vec<u8> = Vec::new();
+        let mut run_at = 0u64;
+        let mut pending = w.pending_l2.iter().peekable();
+        while let Some((&gc, _)) = pending.peek() {
+            let (key, _) = meta.slice_key(gc);
             let table = meta.l1_entry(gc / per_table).ok_or_else(eio)?;
-            let at = table + (gc % per_table) * 8;
-            let b = at / block * block;
-            if at_block != Some(b) {
-                if let Some(prev) = at_block {
-                    src.write_all_at(&buf, prev)?;
-                }
-                src.read_or_zero(&mut buf, b)?;
-                at_block = Some(b);
+            let at = table + (key % per_table) * 8;
+            if !run.is_empty() && (run_at + run.len() as u64 != at || run.len() >= MAX_RUN) {
+                src.write_all_at(&run, run_at)?;
+                run.clear();
             }
-            let i = (at - b) as usize;
-            buf[i..i + 8].copy_from_slice(&encode_l2(m).to_be_bytes());
+            if run.is_empty() {
+                run_at = at;
+            }
+            let start = run.len();
+            match meta.cached_slice(key) {
+                Some(raw) => run.extend(raw.iter().flat_map(|e| e.to_be_bytes())),
+                None => {
+                    run.resize(start + slice_bytes as usize, 0);
+                    src.read_or_zero(&mut run[start..], at)?;
+                }
+            }
+            // The slice's changes (already in a cached slice, not in one read).
+            while let Some((&gc, &m)) = pending.next_if(|(&gc, _)| meta.slice_key(gc).0 == key) {
+                let i = start + meta.slice_key(gc).1 * 8;
+                run[i..i + 8].copy_from_slice(&encode_l2(m).to_be_bytes());
+            }
         }
-        if let Some(prev) = at_block {
-            src.write_all_at(&buf, prev)?;
+        if !run.is_empty() {
+            src.write_all_at(&run, run_at)?;
         }
+        meta.tables_written();
         for (&index, &table) in &w.pending_l1 {
             let e = table | super::entry::COPIED;
             src.write_all_at(&e.to_be_bytes(), l1_offset + index * 8)?;
@@ -590,6 +610,7 @@ impl Owner {
         w.pending_l2.clear();
         w.pending_l1.clear();
         w.since = None;
+        self.counters.writebacks.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 }
