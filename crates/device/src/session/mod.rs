@@ -591,10 +591,15 @@ impl Session {
             }
             v.log_used = log_used;
             let queue = index as usize;
-            self.worker(queue).send(Command::LogRing {
-                queue,
-                used_gpa: log_used,
-            });
+            // Answered once the worker logs there (QEMU waits for the reply before it
+            // counts on the log).
+            self.workers[queue % self.threads]
+                .ask(ANSWER_TIMEOUT, |reply| Command::LogRing {
+                    queue,
+                    used_gpa: log_used,
+                    reply,
+                })
+                .map_err(|e| self.lost(e))?;
             return Ok(());
         }
         v.addrs = Some(addrs);

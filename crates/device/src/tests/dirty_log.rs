@@ -19,18 +19,22 @@ fn pages(at: u64, len: u64) -> BTreeSet<u64> {
 fn logging_rig(engine: EngineKind) -> (Rig, Arc<DirtyLog>) {
     let mut rig = Rig::new(false, engine);
     let log = Arc::new(test_log(4096));
-    Worker::post(
-        &rig.mailbox,
-        Command::LogRing {
-            queue: 0,
-            used_gpa: Some(USED_RING),
-        },
-    );
     let l = log.clone();
     rig.ask(|reply| Command::Log {
         log: Some(l),
         reply,
     });
+    // SET_VRING_ADDR with the log flag on the running ring: answered once the worker
+    // logs there, and the used ring, written before, is marked by then.
+    rig.ask(|reply| Command::LogRing {
+        queue: 0,
+        used_gpa: Some(USED_RING),
+        reply,
+    });
+    assert!(
+        used_ring().iter().all(|&p| log.is_marked(p)),
+        "the used ring is marked when LogRing is answered"
+    );
     (rig, log)
 }
 

@@ -61,10 +61,13 @@ pub(crate) enum Command {
         reply: SyncSender<()>,
     },
     /// Where queue `queue`'s used-ring writes are logged (SET_VRING_ADDR with
-    /// VHOST_VRING_F_LOG on a running ring; None: not logged).
+    /// VHOST_VRING_F_LOG on a running ring; None: not logged). Answered once the worker
+    /// logs there: the frontend counts on every used-ring write after its reply being
+    /// logged.
     LogRing {
         queue: usize,
         used_gpa: Option<u64>,
+        reply: SyncSender<()>,
     },
     /// New QoS limits for the disk (None: unlimited). Requests waiting are looked at again
     /// under them.

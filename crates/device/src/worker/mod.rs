@@ -462,11 +462,16 @@ impl Worker {
                     }
                     (None, None) => {}
                 },
-                Command::LogRing { queue, used_gpa } => {
+                Command::LogRing {
+                    queue,
+                    used_gpa,
+                    reply,
+                } => {
                     if let Some(q) = self.queues.iter_mut().find(|q| q.index == queue) {
                         q.log_used = used_gpa;
                         q.log_used_ring(self.log.as_deref());
                     }
+                    let _ = reply.send(());
                 }
                 #[cfg(test)]
                 Command::Panic => panic!("worker {}: panic asked for by a test", self.id),

@@ -203,6 +203,36 @@ impl Vm {
         }
     }
 
+    /// Where the guest's virtqueues are (QMP `x-query-virtio-queue-status`, for every
+    /// virtio device and queue QEMU has), for a report.
+    pub fn queues(&mut self) -> String {
+        let devices = match self.qmp.cmd("x-query-virtio", json!({})) {
+            Ok(Value::Array(d)) => d,
+            other => return format!("x-query-virtio: {other:?}"),
+        };
+        let mut out = Vec::new();
+        for d in devices {
+            let path = d["path"].as_str().unwrap_or_default().to_owned();
+            for queue in 0..16 {
+                match self.qmp.cmd(
+                    "x-query-virtio-queue-status",
+                    json!({"path": path, "queue": queue}),
+                ) {
+                    Ok(q) => out.push(format!(
+                        "{path} queue {queue}: desc {:#x} avail {:#x} used {:#x} (last avail {}, used {})",
+                        q["vring-desc"].as_u64().unwrap_or(0),
+                        q["vring-avail"].as_u64().unwrap_or(0),
+                        q["vring-used"].as_u64().unwrap_or(0),
+                        q["last-avail-idx"],
+                        q["used-idx"]
+                    )),
+                    Err(_) => break,
+                }
+            }
+        }
+        out.join("; ")
+    }
+
     /// Let a migration's destination run (`cont`).
     pub fn resume(&mut self) -> Result<(), String> {
         self.qmp.cmd("cont", json!({})).map(|_| ())
