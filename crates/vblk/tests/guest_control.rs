@@ -134,7 +134,8 @@ check same-bytes cmp /tmp/x /tmp/y
 
 /// The guest side of the crash tests: rounds of fio (random writes of 4-64 KiB, 2 jobs,
 /// one per vCPU so both queues, then a verify pass of everything written) until the host
-/// has done its kills and writes a stop marker on the disk (at most 30 rounds).
+/// has done its kills and writes a stop marker on the disk (at most 30 rounds). Round r
+/// writes 56 MiB from FIRST + (r - 1) * STRIDE MiB (the script's caller sets both).
 const CRASH_FIO: &str = r#"
 printf 'VBLK-FIO-START' > /tmp/m
 dd if=/tmp/m of=/dev/vda bs=512 seek=$((96 * 2048)) count=1 conv=sync oflag=direct 2>/dev/null
@@ -142,8 +143,9 @@ rc=0; round=0
 while [ $round -lt 30 ]; do
     round=$((round + 1))
     echo "VBLK-RUN fio round $round"
-    fio --eta=never --name=a --filename=/dev/vda --offset=0 --size=24M --cpus_allowed=0 \
-        --name=b --filename=/dev/vda --offset=32M --size=24M --cpus_allowed=1 \
+    base=$((FIRST + (round - 1) * STRIDE))
+    fio --eta=never --name=a --filename=/dev/vda --offset=${base}M --size=24M --cpus_allowed=0 \
+        --name=b --filename=/dev/vda --offset=$((base + 32))M --size=24M --cpus_allowed=1 \
         --direct=1 --ioengine=io_uring --iodepth=16 --rw=randwrite --bsrange=4k-64k \
         --verify=crc32c --verify_fatal=1 --do_verify=1 --randrepeat=0 > /tmp/fio.out 2>&1
     rc=$?
@@ -156,13 +158,104 @@ if [ $rc -eq 0 ]; then vblk_report fio ok "$round rounds"; else vblk_report fio 
 check_eq io-errors "$(dmesg | grep -c -E 'I/O error|blk_update_request')" 0
 "#;
 
+/// The image of a crash test, and where the host finds the guest's markers in its file.
+struct CrashImage {
+    path: PathBuf,
+    /// File offsets of guest offsets 96 MiB (the guest says fio started) and 100 MiB
+    /// (the host says stop).
+    start_at: u64,
+    stop_at: u64,
+    /// The guest script's FIRST and STRIDE (MiB).
+    first: u64,
+    stride: u64,
+}
+
+/// A 128 MiB raw image: every round writes the same 56 MiB.
+fn raw_crash_image(dir: &Path) -> CrashImage {
+    CrashImage {
+        path: image(dir, "disk.img", 128 * MIB),
+        start_at: 96 * MIB,
+        stop_at: 100 * MIB,
+        first: 0,
+        stride: 0,
+    }
+}
+
+/// A new 4 GiB qcow2 image with 4 KiB clusters: every round writes 56 MiB nothing wrote
+/// before, so every round allocates (14,336 clusters). The two marker clusters are
+/// allocated beforehand, so that they stay where `qemu-img map` finds them.
+fn qcow2_crash_image(dir: &Path) -> CrashImage {
+    let qemu = |args: &[&str]| {
+        let out = Command::new(args[0])
+            .args(&args[1..])
+            .current_dir(dir)
+            .output()
+            .unwrap_or_else(|e| panic!("{} (qemu-utils): {e}", args[0]));
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    qemu(&[
+        "qemu-img",
+        "create",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=4096",
+        "disk.qcow2",
+        "4G",
+    ]);
+    qemu(&[
+        "qemu-io",
+        "-f",
+        "qcow2",
+        "-c",
+        "write -P 0 96M 4k",
+        "-c",
+        "write -P 0 100M 4k",
+        "disk.qcow2",
+    ]);
+    let map: serde_json::Value =
+        serde_json::from_str(&qemu(&["qemu-img", "map", "--output=json", "disk.qcow2"])).unwrap();
+    let host = |guest: u64| {
+        map.as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["start"].as_u64() == Some(guest) && e["data"] == true)
+            .and_then(|e| e["offset"].as_u64())
+            .unwrap_or_else(|| panic!("qemu-img map: no data at {guest}: {map}"))
+    };
+    CrashImage {
+        path: dir.join("disk.qcow2"),
+        start_at: host(96 * MIB),
+        stop_at: host(100 * MIB),
+        first: 128,
+        stride: 64,
+    }
+}
+
+/// What a crash test left.
+struct CrashRun {
+    boot: support::guest::Boot,
+    /// Every daemon's log.
+    logs: String,
+    /// A daemon found a broken ring.
+    broken: bool,
+    image: PathBuf,
+    _dir: TempDir,
+}
+
 /// Run the crash test: the daemon is killed and restarted `kills` times while fio runs.
-/// Returns (the boot, every daemon's log text, whether a daemon found a broken ring).
-fn crash_run(name: &str, extra: &[&str], kills: usize) -> (support::guest::Boot, String, bool) {
+fn crash_run(
+    name: &str,
+    disk: fn(&Path) -> CrashImage,
+    extra: &[&'static str],
+    kills: usize,
+) -> CrashRun {
     let dir = TempDir::new(name);
-    let img = image(dir.path(), "disk.img", 128 * MIB);
+    let crash = disk(dir.path());
+    let img = crash.path.clone();
     let sock = dir.join("vblk.sock");
-    let mut args: Vec<&str> = vec!["--delay-every", "4:30"];
+    let mut args: Vec<&'static str> = vec!["--delay-every", "4:30"];
     args.extend_from_slice(extra);
     let export = Export::new(&img, 2).args(&args);
     let first = Daemon::start(
@@ -176,16 +269,21 @@ fn crash_run(name: &str, extra: &[&str], kills: usize) -> (support::guest::Boot,
     // ring: without inflight tracking the guest would otherwise hang until the timeout.
     let mut sentinel: Child = Command::new("sleep").arg("600").spawn().unwrap();
     let broken = Arc::new(AtomicBool::new(false));
+    // Set once the guest is done: the killer stops (a new daemon would wait for a QEMU
+    // that is gone).
+    let done = Arc::new(AtomicBool::new(false));
     let logs: Vec<PathBuf> = (0..=kills)
         .map(|i| dir.join(format!("vblk-{i}.log")))
         .collect();
     let killer = {
         let (img, sock, logs, broken) = (img.clone(), sock.clone(), logs.clone(), broken.clone());
         let sentinel_pid = sentinel.id();
+        let (start_at, stop_at) = (crash.start_at, crash.stop_at);
+        let done = done.clone();
+        let args = args.clone();
         std::thread::spawn(move || {
             let mut daemon = first;
-            let marker_at = 96 * MIB;
-            if !wait_for_marker(&img, marker_at, b"VBLK-FIO-START", Duration::from_secs(240)) {
+            if !wait_for_marker(&img, start_at, b"VBLK-FIO-START", Duration::from_secs(240)) {
                 return daemon;
             }
             let watch = |logs: &[PathBuf]| {
@@ -201,12 +299,15 @@ fn crash_run(name: &str, extra: &[&str], kills: usize) -> (support::guest::Boot,
                 while !fs::read_to_string(&logs[k - 1])
                     .is_ok_and(|t| t.contains("frontend connected"))
                     && t0.elapsed() < Duration::from_secs(60)
+                    && !done.load(Ordering::SeqCst)
                 {
                     std::thread::sleep(Duration::from_millis(50));
                 }
+                if done.load(Ordering::SeqCst) {
+                    return daemon;
+                }
                 std::thread::sleep(Duration::from_millis(1500));
                 signal(daemon.pid(), libc::SIGKILL);
-                let args = args_of(&daemon);
                 // Dropping a Daemon reaps it and removes its socket path: before the next
                 // one binds there.
                 drop(daemon);
@@ -227,7 +328,7 @@ fn crash_run(name: &str, extra: &[&str], kills: usize) -> (support::guest::Boot,
             {
                 use std::os::unix::fs::FileExt;
                 let f = fs::OpenOptions::new().write(true).open(&img).unwrap();
-                f.write_all_at(b"VBLK-STOP", 100 * MIB).unwrap();
+                f.write_all_at(b"VBLK-STOP", stop_at).unwrap();
                 f.sync_all().unwrap();
             }
             for _ in 0..1200 {
@@ -244,7 +345,12 @@ fn crash_run(name: &str, extra: &[&str], kills: usize) -> (support::guest::Boot,
             daemon
         })
     };
-    let script = format!("{}\n{CRASH_FIO}", support::fio::GUEST_FUNCTIONS);
+    let script = format!(
+        "{}\nFIRST={}\nSTRIDE={}\n{CRASH_FIO}",
+        support::fio::GUEST_FUNCTIONS,
+        crash.first,
+        crash.stride
+    );
     let boot = Guest::new(name)
         .disk_reconnecting(&sock, 2)
         .layer(fio_layer())
@@ -252,6 +358,7 @@ fn crash_run(name: &str, extra: &[&str], kills: usize) -> (support::guest::Boot,
         .timeout(Duration::from_secs(300))
         .script(script)
         .boot();
+    done.store(true, Ordering::SeqCst);
     let _ = sentinel.kill();
     let _ = sentinel.wait();
     let last = killer.join().unwrap();
@@ -261,15 +368,12 @@ fn crash_run(name: &str, extra: &[&str], kills: usize) -> (support::guest::Boot,
         .map(|l| fs::read_to_string(l).unwrap_or_default())
         .collect::<Vec<_>>()
         .join("\n----\n");
-    (boot, text, broken.load(Ordering::SeqCst))
-}
-
-/// The daemon arguments a restarted daemon gets: the same as the one it replaces.
-fn args_of(d: &Daemon) -> Vec<&'static str> {
-    if d.command_line.contains("--no-inflight") {
-        vec!["--delay-every", "4:30", "--no-inflight"]
-    } else {
-        vec!["--delay-every", "4:30"]
+    CrashRun {
+        boot,
+        logs: text,
+        broken: broken.load(Ordering::SeqCst),
+        image: img,
+        _dir: dir,
     }
 }
 
@@ -281,7 +385,9 @@ fn sentinel_gone(pid: u32) -> bool {
 
 #[test]
 fn a_guest_survives_repeated_kill_9_with_completions_out_of_order() {
-    let (boot, logs, broken) = crash_run("crash-inflight", &[], 6);
+    let CrashRun {
+        boot, logs, broken, ..
+    } = crash_run("crash-inflight", raw_crash_image, &[], 6);
     assert!(
         !broken,
         "a daemon found a broken ring\n{logs}\n{}",
@@ -304,9 +410,57 @@ fn a_guest_survives_repeated_kill_9_with_completions_out_of_order() {
     );
 }
 
+/// The same on a qcow2 image, ten kills, every fio round writing clusters never written
+/// before (allocations, whose mappings a kill may catch in memory): fio's verify passes
+/// across the restarts, and `qemu-img check` finds no corruption (leaked clusters only).
+#[test]
+fn a_guest_on_qcow2_survives_ten_kill_9_under_allocating_writes() {
+    let run = crash_run("crash-qcow2", qcow2_crash_image, &["--format", "qcow2"], 10);
+    let CrashRun {
+        boot,
+        logs,
+        broken,
+        image,
+        ..
+    } = &run;
+    assert!(
+        !broken,
+        "a daemon found a broken ring\n{logs}\n{}",
+        boot.report()
+    );
+    assert!(
+        boot.failed().is_empty() && boot.check("fio").is_some(),
+        "the guest's checks failed\n---- daemons ----\n{logs}\n{}",
+        boot.report()
+    );
+    let connects = logs.matches("frontend connected").count();
+    assert!(
+        connects >= 11,
+        "{connects} connections for 10 kills\n{logs}"
+    );
+    let out = Command::new("qemu-img")
+        .arg("check")
+        .arg(image)
+        .output()
+        .expect("qemu-img (qemu-utils)");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let code = out.status.code().unwrap_or(-1);
+    assert!(
+        (code == 0 || code == 3) && !text.contains("ERROR"),
+        "qemu-img check after the kills exited {code}:\n{text}"
+    );
+    eprintln!(
+        "qcow2 kill -9 test: {connects} daemons; guest: {}; qemu-img check exit {code}",
+        boot.check("fio").map_or("", |c| c.detail.as_str())
+    );
+}
+
 #[test]
 fn without_the_inflight_region_the_same_crashes_are_not_survived() {
-    let (boot, logs, broken) = crash_run("crash-no-inflight", &["--no-inflight"], 6);
+    let CrashRun {
+        boot, logs, broken, ..
+    } = crash_run("crash-no-inflight", raw_crash_image, &["--no-inflight"], 6);
     let fio_ok = boot.check("fio").is_some_and(|c| c.ok);
     let clean = !broken && boot.failed().is_empty() && boot.done && fio_ok;
     assert!(

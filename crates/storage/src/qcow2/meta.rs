@@ -8,9 +8,8 @@
 //! of the cluster.
 //!
 //! The writer (write.rs) changes cached entries as it maps clusters ([`Meta::set_l2`]),
-//! writes whole cached slices back ([`Meta::cached_slice`]), and says which L2 tables it
-//! made this session and are still all zeroes in the file ([`Meta::zeroed_table`]): their
-//! slices are made in the cache without a read.
+//! writes whole cached slices ([`Meta::cached_slice`]), and makes new L2 tables
+//! ([`Meta::new_table`]), whose slices are all zeroes: put in the cache without a read.
 //!
 //! Checks beyond the entries' own (entry.rs): an L2 table or a data cluster must not
 //! overlap the header, the L1 table or the refcount table, and an L2 table must lie
@@ -20,7 +19,7 @@
 //! This is the metadata owner's view (docs/design-notes.md, "qcow2"): it blocks on
 //! `pread`, so it runs on the owner's thread, never on a worker.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -145,8 +144,6 @@ pub struct Meta {
     capacity: usize,
     /// The clock's hand: the next slot considered for eviction.
     hand: usize,
-    /// L2 tables made this session that are all zeroes in the file so far.
-    zeroed: HashSet<u64>,
     /// Metadata ranges a mapping must not overlap: [start, end).
     reserved: Vec<(u64, u64, &'static str)>,
     buf: Box<[u8; SLICE_BYTES]>,
@@ -206,7 +203,6 @@ impl Meta {
             index: HashMap::new(),
             capacity: slots.max(1),
             hand: 0,
-            zeroed: HashSet::new(),
             reserved,
             buf: Box::new([0; SLICE_BYTES]),
             spare: Box::new([0; SLICE_ENTRIES as usize]),
@@ -295,16 +291,22 @@ impl Meta {
         }
     }
 
-    /// The writer made L2 table `table` (a cluster of zeroes in the file): its slices are
-    /// zeroes until [`Meta::tables_written`].
-    pub fn zeroed_table(&mut self, table: u64) {
-        self.zeroed.insert(table);
-    }
-
-    /// The writer wrote the L2 entries it had changed into the file: the tables it made
-    /// are no longer all zeroes there.
-    pub fn tables_written(&mut self) {
-        self.zeroed.clear();
+    /// The writer gave L1 entry `index` a new L2 table at `table`, all zeroes: its
+    /// slices go into the cache as they are (the first 64 of a large table), without a
+    /// read.
+    pub fn new_table(&mut self, index: u64, table: u64) {
+        self.set_l1(index, table);
+        let per_table = self.header.l2_entries();
+        let n = self.slice_clusters();
+        for start in (0..per_table).step_by(n as usize).take(64) {
+            let key = index * per_table + start;
+            if let Some(&i) = self.index.get(&key) {
+                self.slots[i].raw.fill(0);
+                continue;
+            }
+            self.spare.fill(0);
+            self.install(key);
+        }
     }
 
     /// Slice `key` (as [`Meta::slice_key`] gives) if it is cached: its entries as the
@@ -394,13 +396,8 @@ impl Meta {
         }
         // An L2 table of a small cluster holds fewer entries than a slice.
         let n = (self.header.l2_entries() - slice_start).min(SLICE_ENTRIES) as usize;
-        let table = at - slice_start * 8;
-        if self.zeroed.contains(&table) {
-            self.buf[..n * 8].fill(0);
-        } else {
-            file.read_exact_at(&mut self.buf[..n * 8], at)?;
-            self.loads += 1;
-        }
+        file.read_exact_at(&mut self.buf[..n * 8], at)?;
+        self.loads += 1;
         let cluster = self.header.cluster_size();
         let (bits, version) = (self.header.cluster_bits, self.header.version);
         for (k, e) in self.buf[..n * 8].chunks_exact(8).enumerate() {
@@ -428,6 +425,12 @@ impl Meta {
             }
             self.spare[k] = e;
         }
+        Ok(self.install(key))
+    }
+
+    /// Put `self.spare` into the cache as slice `key` (not cached): into a free slot, or
+    /// the first the clock finds unused since its last pass. Its slot.
+    fn install(&mut self, key: u64) -> usize {
         if self.slots.len() < self.capacity {
             let raw = std::mem::replace(&mut self.spare, Box::new([0; SLICE_ENTRIES as usize]));
             self.slots.push(Slot {
@@ -437,7 +440,7 @@ impl Meta {
             });
             let i = self.slots.len() - 1;
             self.index.insert(key, i);
-            return Ok(i);
+            return i;
         }
         let victim = loop {
             let i = self.hand;
@@ -452,7 +455,7 @@ impl Meta {
         s.key = key;
         s.referenced = true;
         self.index.insert(key, victim);
-        Ok(victim)
+        victim
     }
 }
 

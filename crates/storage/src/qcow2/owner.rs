@@ -188,9 +188,19 @@ impl Owner {
                 .l2_reads
                 .store(self.meta.loads, Ordering::Relaxed);
         }
-        // Every engine is gone: what they wrote gets its mappings on the disk.
-        if let Err(e) = self.writeback(src) {
-            log::error!("{}: writing mappings back at close: {e}", self.name);
+        // Every engine is gone: the unused counted clusters are given back, and
+        // everything is made durable.
+        let closed = self.release_reserved(src).and_then(|()| {
+            if self.writer.as_ref().is_some_and(|w| w.pending()) {
+                self.writeback(src)
+            } else if self.writer.is_some() {
+                src.sync()
+            } else {
+                Ok(())
+            }
+        });
+        if let Err(e) = closed {
+            log::error!("{}: closing the image: {e}", self.name);
         }
     }
 

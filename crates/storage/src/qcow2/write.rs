@@ -4,19 +4,27 @@
 //! the backing file, a compressed cluster or a shared one), writes to clusters whose
 //! mapping is not durable yet, discards, write-zeroes and flushes.
 //!
-//! Order, QEMU's (block/qcow2-cluster.c, the L2 cache's dependency on the refcount
-//! cache), so that a crash at any point (kill -9, or the host losing power) can only leak
-//! clusters, never point at one that is not counted or not written:
-//! 1. a new cluster's bytes (data, a zeroed L2 table) are written, then its refcount;
-//! 2. the changed mappings stay in memory (the table and the metadata cache say so at
-//!    once, the file not yet) until a guest FLUSH, a durable write, a second without one,
-//!    or the close: then `fdatasync`, the L2 and L1 entries written, `fdatasync`;
-//! 3. only then are the refcounts of clusters no longer mapped dropped.
+//! Every change of a mapping is in the file (written, not yet synced) before the request
+//! that made it completes, so a daemon killed with SIGKILL loses nothing it acknowledged:
+//! the kernel still has what it wrote, and the next daemon reads it. The order on the
+//! disk, so that a power failure at any point only leaks clusters (`qemu-img check`
+//! exit 3), never maps a cluster that is not counted or whose bytes are not there:
+//! 1. clusters are counted before they are handed out: the owner takes a batch at the
+//!    end of the file, writes their refcounts (1) and makes them durable (one
+//!    `fdatasync` per batch); a mapping may then reach the disk in any order after;
+//! 2. a new cluster is a hole until written, and reads as zeroes; a mapping to it may
+//!    reach the disk before its bytes when the cluster read as zeroes before (a first
+//!    write to an unallocated or zero cluster); a copy-on-write's bytes (the backing
+//!    file's, a compressed or shared cluster's) are made durable before its mapping is
+//!    written, as QEMU flushes before it writes such an L2 table;
+//! 3. a cluster no longer mapped has its refcount dropped only after the change is
+//!    durable (the next FLUSH, a write-through write, or a second after a change);
+//! 4. at a clean close the batch's unused clusters are given back (refcount 0).
 //!
-//! Acknowledged writes whose mappings are not yet in the file may be lost by a crash, as
-//! any write not followed by a FLUSH may; a FLUSH makes them durable.
+//! A write acknowledged without a FLUSH may still be lost by a power failure, as any
+//! write on a disk with a volatile cache; a FLUSH makes it durable.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -31,23 +39,23 @@ use super::table::Entry;
 use crate::backend::Backend;
 use crate::engine::{Engine, Op};
 
-/// How much the file grows at once when a new cluster is a hole.
-const GROW: u64 = 1 << 20;
-
-/// The most L2 bytes written back in one write.
-const MAX_RUN: usize = 1 << 20;
+/// How many bytes of clusters are counted at once, ahead of their use (between 16 and
+/// 16,384 clusters).
+const BATCH_BYTES: u64 = 8 << 20;
 
 /// Mappings kept in memory before they are written back regardless of time.
 const MAX_PENDING: usize = 16384;
 
 pub(crate) struct Writer {
     pub(crate) refs: Refcounts,
-    /// Guest cluster → its mapping, changed and not yet in the file.
+    /// Guest cluster → its mapping, changed, in the file and not yet synced.
     pending_l2: BTreeMap<u64, Mapping>,
-    /// L1 index → its new L2 table, not yet in the file.
-    pending_l1: BTreeMap<u64, u64>,
     /// Clusters no longer mapped, whose refcount drops once that is durable.
     pending_free: Vec<u64>,
+    /// Clusters counted (refcount 1, durable) and not handed out yet, in order.
+    reserved: VecDeque<u64>,
+    /// A slice of L2 entries on its way to the file (kept for its capacity).
+    l2buf: Vec<u8>,
     since: Option<Instant>,
     /// A `sync` engine on the backing file, for copy-on-write.
     backing: Option<Box<dyn Engine>>,
@@ -79,8 +87,9 @@ impl Writer {
         Writer {
             refs,
             pending_l2: BTreeMap::new(),
-            pending_l1: BTreeMap::new(),
             pending_free: Vec::new(),
+            reserved: VecDeque::new(),
+            l2buf: Vec::new(),
             since: None,
             backing,
             backing_size,
@@ -93,7 +102,7 @@ impl Writer {
 
     /// Whether anything waits to be written back.
     pub(crate) fn pending(&self) -> bool {
-        !self.pending_l2.is_empty() || !self.pending_l1.is_empty() || !self.pending_free.is_empty()
+        !self.pending_l2.is_empty() || !self.pending_free.is_empty()
     }
 
     /// Whether the writeback is due: `after` since the first change, or too many.
@@ -108,7 +117,7 @@ impl Writer {
     }
 
     /// The table entry for guest cluster `gc` mapped as `m`: a cluster whose mapping is
-    /// not durable yet is fresh (written in place by the workers except write-through).
+    /// not synced yet is fresh (written in place by the workers except write-through).
     pub(crate) fn entry(&self, gc: u64, m: Mapping, cluster: u64, file_size: u64) -> Entry {
         match Entry::of(m, cluster, file_size) {
             Entry::Owned(h) if self.pending_l2.contains_key(&gc) => Entry::Fresh(h),
@@ -238,7 +247,7 @@ impl Owner {
         if !zeroes {
             return Ok(None);
         }
-        self.allocate(src, gc, old, Fill::Nothing).map(Some)
+        self.allocate(src, gc, old, Fill::Nothing, false).map(Some)
     }
 
     /// Write `[offset, offset + len)` (inside one cluster) from `from`.
@@ -282,15 +291,18 @@ impl Owner {
             matches!(old, Mapping::Zero { .. }) || (matches!(old, Mapping::Unallocated) && !backed);
         if zeroes && len < cluster {
             fill(&mut self.cluster[..len as usize], from);
-            return self.allocate(src, gc, old, Fill::Part(in_c, len)).map(drop);
+            return self
+                .allocate(src, gc, old, Fill::Part(in_c, len), false)
+                .map(drop);
         }
         // Copy on write: the cluster's bytes as they read now (unless all are new), the
-        // new ones over them.
-        if len < cluster {
+        // new ones over them; the old ones durable before the mapping that moves them.
+        let copied = len < cluster;
+        if copied {
             self.old_bytes(src, gc, old)?;
         }
         fill(&mut self.cluster[in_c as usize..][..len as usize], from);
-        self.allocate(src, gc, old, Fill::Whole).map(drop)
+        self.allocate(src, gc, old, Fill::Whole, copied).map(drop)
     }
 
     /// Fill `self.cluster` with what guest cluster `gc`, mapped as `m`, reads now.
@@ -359,33 +371,79 @@ impl Owner {
 
     /// Give guest cluster `gc` (was `old`) a new cluster, making its L2 table first if it
     /// has none, and fill it as `fill` says; its host offset. A cluster that read as
-    /// zeroes needs only its new bytes (`Part`) or none (`Nothing`): the file is extended
-    /// over it, a hole, which reads as zeroes.
-    fn allocate(&mut self, src: &FileIo<'_>, gc: u64, old: Mapping, fill: Fill) -> io::Result<u64> {
+    /// zeroes needs only its new bytes (`Part`) or none (`Nothing`): a new cluster is a
+    /// hole, which reads as zeroes. `ordered`: the bytes written hold old ones copied
+    /// from elsewhere, durable before the mapping is written.
+    fn allocate(
+        &mut self,
+        src: &FileIo<'_>,
+        gc: u64,
+        old: Mapping,
+        fill: Fill,
+        ordered: bool,
+    ) -> io::Result<u64> {
         let bits = self.cluster_bits();
         self.ensure_table(src, gc)?;
-        let w = self.writer.as_mut().ok_or_else(eio)?;
-        let c = w.refs.reserve(src)?;
-        let end = (c + 1) << bits;
+        let c = self.take_cluster(src)?;
         match fill {
             Fill::Whole => src.write_all_at(&self.cluster, c << bits)?,
             Fill::Part(at, len) => {
-                // Grown a MiB at a time: one ftruncate per 16 allocations of 64 KiB.
-                src.grow_to(end.div_ceil(GROW) * GROW)?;
-                src.write_all_at(&self.cluster[..len as usize], (c << bits) + at)?;
+                src.write_all_at(&self.cluster[..len as usize], (c << bits) + at)?
             }
-            Fill::Nothing => src.grow_to(end.div_ceil(GROW) * GROW)?,
+            Fill::Nothing => {}
         }
-        w.refs.set(src, c, 1)?;
-        self.grew(end);
+        if ordered {
+            self.sync(src)?;
+        }
         let host = c << bits;
-        self.remap(gc, Mapping::Data { host, copied: true }, old);
+        self.remap(src, gc, Mapping::Data { host, copied: true }, old)?;
         self.counters.allocated.fetch_add(1, Ordering::Relaxed);
         Ok(host)
     }
 
-    /// Give guest cluster `gc` an L2 table if it has none: a zeroed cluster, counted, and
-    /// the L1 entry pointing at it (in memory now, in the file at the writeback).
+    /// A cluster for data or an L2 table, counted (refcount 1) and durable: from the
+    /// batch, or from a new batch at the end of the file (the file grown over it: holes).
+    fn take_cluster(&mut self, src: &FileIo<'_>) -> io::Result<u64> {
+        let bits = self.cluster_bits();
+        let w = self.writer.as_mut().ok_or_else(eio)?;
+        if let Some(c) = w.reserved.pop_front() {
+            return Ok(c);
+        }
+        let n = (BATCH_BYTES >> bits).clamp(16, 16384);
+        let mut end = 0;
+        for _ in 0..n {
+            let c = match w.refs.reserve(src) {
+                Ok(c) => c,
+                // Out of room: what was counted is used first.
+                Err(_) if !w.reserved.is_empty() => break,
+                Err(e) => return Err(e),
+            };
+            w.refs.set(src, c, 1)?;
+            w.reserved.push_back(c);
+            end = end.max((c + 1) << bits);
+        }
+        w.refs.flush(src)?;
+        src.grow_to(end)?;
+        self.grew(end);
+        self.sync(src)?;
+        let w = self.writer.as_mut().ok_or_else(eio)?;
+        w.reserved.pop_front().ok_or_else(eio)
+    }
+
+    /// Give the batch's unused clusters back (refcount 0), at a clean close.
+    pub(crate) fn release_reserved(&mut self, src: &FileIo<'_>) -> io::Result<()> {
+        let Some(w) = self.writer.as_mut() else {
+            return Ok(());
+        };
+        while let Some(c) = w.reserved.pop_front() {
+            w.refs.set(src, c, 0)?;
+        }
+        w.refs.flush(src)
+    }
+
+    /// Give guest cluster `gc` an L2 table if it has none: a zeroed, counted cluster,
+    /// with the L1 entry pointing at it written at once (the table reads as zeroes
+    /// whichever reaches the disk first).
     fn ensure_table(&mut self, src: &FileIo<'_>, gc: u64) -> io::Result<()> {
         let bits = self.cluster_bits();
         let per_table = self.meta.header().l2_entries();
@@ -394,34 +452,49 @@ impl Owner {
             return Err(eio());
         }
         if self.meta.l1_entry(index).is_none() {
+            let t = self.take_cluster(src)?;
+            let l1_offset = self.meta.header().l1_offset;
             let w = self.writer.as_mut().ok_or_else(eio)?;
-            let t = w.refs.reserve(src)?;
             src.write_all_at(&w.zeros, t << bits)?;
-            w.refs.set(src, t, 1)?;
             w.refs.mark_metadata(t);
-            w.pending_l1.insert(index, t << bits);
+            let e = (t << bits) | super::entry::COPIED;
+            src.write_all_at(&e.to_be_bytes(), l1_offset + index * 8)?;
             w.changed();
-            self.meta.set_l1(index, t << bits);
-            self.meta.zeroed_table(t << bits);
-            self.grew((t + 1) << bits);
+            self.meta.new_table(index, t << bits);
         }
         Ok(())
     }
 
-    /// Guest cluster `gc` is mapped as `new` from now on (it was `old`).
-    fn remap(&mut self, gc: u64, new: Mapping, old: Mapping) {
+    /// Guest cluster `gc` is mapped as `new` from now on (it was `old`): the entry is
+    /// written into the file (a cached slice whole, else the entry alone), then the
+    /// caches say so.
+    fn remap(&mut self, src: &FileIo<'_>, gc: u64, new: Mapping, old: Mapping) -> io::Result<()> {
         let bits = self.cluster_bits();
         let cluster = 1u64 << bits;
-        let file_size = self.meta.file_size();
-        let Some(w) = self.writer.as_mut() else {
-            return;
-        };
+        let per_table = self.meta.header().l2_entries();
+        let table = self.meta.l1_entry(gc / per_table).ok_or_else(eio)?;
+        let (key, k) = self.meta.slice_key(gc);
+        let at = table + (key % per_table) * 8;
+        let Owner { writer, meta, .. } = self;
+        let w = writer.as_mut().ok_or_else(eio)?;
+        let entry = encode_l2(new).to_be_bytes();
+        match meta.cached_slice(key) {
+            Some(raw) => {
+                w.l2buf.clear();
+                w.l2buf.extend(raw.iter().flat_map(|e| e.to_be_bytes()));
+                w.l2buf[k * 8..k * 8 + 8].copy_from_slice(&entry);
+                src.write_all_at(&w.l2buf, at)?;
+            }
+            None => src.write_all_at(&entry, at + k as u64 * 8)?,
+        }
+        let file_size = meta.file_size();
         w.pending_l2.insert(gc, new);
         w.free(old, bits);
         w.changed();
         let e = w.entry(gc, new, cluster, file_size);
-        self.meta.set_l2(gc, new);
+        meta.set_l2(gc, new);
         self.table.set(gc, e);
+        Ok(())
     }
 
     /// A discard (`discard`) or write-zeroes job over `[offset, offset + len)`.
@@ -466,7 +539,7 @@ impl Owner {
                         // Unallocated where there is no table needs none; the zero flag
                         // needs its entry.
                         self.ensure_table(src, gc)?;
-                        self.remap(gc, new, old);
+                        self.remap(src, gc, new, old)?;
                     }
                     at += n;
                     continue;
@@ -519,20 +592,19 @@ impl Owner {
         r
     }
 
-    /// Write the changed mappings back (the order in the module's comment).
+    /// Make the changed mappings durable (the order in the module's comment): they are
+    /// in the file already; after the `fdatasync` the workers may write their clusters
+    /// in place, and the clusters no longer mapped have their refcounts dropped.
     pub(crate) fn writeback(&mut self, src: &FileIo<'_>) -> io::Result<()> {
         match self.writer.as_ref() {
             Some(w) if w.failed => return Err(eio()),
             Some(w) if w.pending() => {}
             _ => return Ok(()),
         }
-        // The refcounts of the new clusters, then everything written so far, durable.
         if let Some(w) = self.writer.as_mut() {
             w.refs.flush(src)?;
         }
         self.sync(src)?;
-        let per_table = self.meta.header().l2_entries();
-        let l1_offset = self.meta.header().l1_offset;
         let bits = self.cluster_bits();
         let Owner {
             writer,
@@ -543,64 +615,9 @@ impl Owner {
         let Some(w) = writer.as_mut() else {
             return Ok(());
         };
-        // L2 entries, a slice (4 KiB, or the whole table when it is smaller) at a time:
-        // a cached slice is written as the cache has it (the writer's changes are in it),
-        // another is read and patched. Slices next to each other in a table go out in one
-        // write. Only the owner writes tables, so nothing changes them meanwhile.
-        let slice_bytes = meta.slice_clusters() * 8;
-        let mut run: Vec<u8> = Vec::new();
-        let mut run_at = 0u64;
-        let mut pending = w.pending_l2.iter().peekable();
-        while let Some((&gc, _)) = pending.peek() {
-            let (key, _) = meta.slice_key(gc);
-            let table = meta.l1_entry(gc / per_table).ok_or_else(eio)?;
-            let at = table + (key % per_table) * 8;
-            if !run.is_empty() && (run_at + run.len() as u64 != at || run.len() >= MAX_RUN) {
-                src.write_all_at(&run, run_at)?;
-                run.clear();
-            }
-            if run.is_empty() {
-                run_at = at;
-            }
-            let start = run.len();
-            match meta.cached_slice(key) {
-                Some(raw) => run.extend(raw.iter().flat_map(|e| e.to_be_bytes())),
-                None => {
-                    run.resize(start + slice_bytes as usize, 0);
-                    src.read_or_zero(&mut run[start..], at)?;
-                }
-            }
-            // The slice's changes (already in a cached slice, not in one read).
-            while let Some((&gc, &m)) = pending.next_if(|(&gc, _)| meta.slice_key(gc).0 == key) {
-                let i = start + meta.slice_key(gc).1 * 8;
-                run[i..i + 8].copy_from_slice(&encode_l2(m).to_be_bytes());
-            }
-        }
-        if !run.is_empty() {
-            src.write_all_at(&run, run_at)?;
-        }
-        meta.tables_written();
-        for (&index, &table) in &w.pending_l1 {
-            let e = table | super::entry::COPIED;
-            src.write_all_at(&e.to_be_bytes(), l1_offset + index * 8)?;
-        }
-        if let Err(e) = src.sync() {
-            w.failed = true;
-            log::error!(
-                "fdatasync after writing mappings failed ({e}): from now on every write and flush fails"
-            );
-            return Err(e);
-        }
-        for c in std::mem::take(&mut w.pending_free) {
-            w.refs.unref(src, c)?;
-        }
-        w.refs.flush(src)?;
-        // Durable now: owned clusters may be written in place by the workers. The cached
-        // slices say so too: one reloaded from the file before the entries were written
-        // there holds the old mappings, and the overlay that hid them goes now.
+        // Durable now: owned clusters may be written in place by the workers.
         let file_size = meta.file_size();
         for (&gc, &m) in &w.pending_l2 {
-            meta.set_l2(gc, m);
             if let Mapping::Data { host, copied: true } = m {
                 if host + (1u64 << bits) <= file_size {
                     table.set(gc, Entry::Owned(host));
@@ -608,7 +625,12 @@ impl Owner {
             }
         }
         w.pending_l2.clear();
-        w.pending_l1.clear();
+        // The mappings that used them are durably gone: a crash from here on leaks
+        // these clusters at most.
+        for c in std::mem::take(&mut w.pending_free) {
+            w.refs.unref(src, c)?;
+        }
+        w.refs.flush(src)?;
         w.since = None;
         self.counters.writebacks.fetch_add(1, Ordering::Relaxed);
         Ok(())
