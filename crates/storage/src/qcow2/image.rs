@@ -306,6 +306,7 @@ pub(crate) fn open(
         entries: Vec::new(),
         mappings: Vec::new(),
         counters: Arc::default(),
+        outbox: Vec::with_capacity(64),
     };
     let counters = Arc::clone(&owner.counters);
     let c = Arc::clone(&container);

@@ -154,10 +154,15 @@ pub(crate) struct Owner {
     pub(crate) mappings: Vec<Mapping>,
     /// What the owner did, for `vblk stats`.
     pub(crate) counters: Arc<Counters>,
+    /// The batch's answers, posted once its mappings are in the file.
+    pub(crate) outbox: Vec<(Arc<Mailbox>, Answer, bool)>,
 }
 
-/// How long mappings of acknowledged writes wait in memory, at most, before the owner
-/// makes them durable on its own (a guest FLUSH does it at once).
+/// The most jobs taken at one wake-up of the owner.
+const BATCH_JOBS: usize = 64;
+
+/// How long mappings of acknowledged writes (in the file already) wait, at most, before
+/// the owner makes them durable on its own (a guest FLUSH does it at once).
 const WRITEBACK_AFTER: Duration = Duration::from_secs(1);
 
 impl Owner {
@@ -183,7 +188,17 @@ impl Owner {
                 }
             }
             let Some(job) = job else { continue };
+            // A batch: this job and those waiting behind it, answered together once the
+            // mappings they changed are in the file (one write per run of changed
+            // slices, one sync for all their copy-on-writes).
             self.job(src, job, &mut corrupt_logged);
+            for _ in 1..BATCH_JOBS {
+                match jobs.try_recv() {
+                    Ok(job) => self.job(src, job, &mut corrupt_logged),
+                    Err(_) => break,
+                }
+            }
+            self.settle(src);
             self.counters
                 .l2_reads
                 .store(self.meta.loads, Ordering::Relaxed);
@@ -208,7 +223,7 @@ impl Owner {
         match job {
             Job::Load { slice, reply } => {
                 let a = self.load(src, slice, corrupt_logged);
-                reply.post(a);
+                self.outbox.push((reply, a, false));
             }
             Job::Read {
                 sub,
@@ -219,7 +234,7 @@ impl Owner {
                 reply,
             } => {
                 let result = self.read(src, offset, len, iov, iovcnt);
-                self.answer(&reply, sub, "reading", offset, result);
+                self.answer(&reply, sub, "reading", offset, result, false);
             }
             Job::Write {
                 sub,
@@ -230,10 +245,10 @@ impl Owner {
                 durable,
                 reply,
             } => match self.write_job(src, offset, len, iov, iovcnt, durable) {
-                Ok(Some(host)) => reply.post(Answer::Place { sub, host }),
+                Ok(Some(host)) => self.outbox.push((reply, Answer::Place { sub, host }, true)),
                 result => {
                     let result = result.map(|_| len);
-                    self.answer(&reply, sub, "writing", offset, result)
+                    self.answer(&reply, sub, "writing", offset, result, true)
                 }
             },
             Job::Zero {
@@ -246,23 +261,55 @@ impl Owner {
                 reply,
             } => {
                 let result = self.zero_job(src, offset, len, unmap, discard, durable);
-                self.answer(&reply, sub, "zeroing", offset, result);
+                self.answer(&reply, sub, "zeroing", offset, result, true);
             }
             Job::Flush { sub, reply } => {
                 let result = self.flush_job(src).map(|()| 0);
-                self.answer(&reply, sub, "flushing", 0, result);
+                self.answer(&reply, sub, "flushing", 0, result, false);
             }
         }
     }
 
-    fn answer(&self, reply: &Mailbox, sub: u32, what: &str, offset: u64, result: io::Result<u64>) {
+    /// Answer a job at the end of the batch; `mapped`: its success depends on the
+    /// batch's mappings reaching the file.
+    fn answer(
+        &mut self,
+        reply: &Arc<Mailbox>,
+        sub: u32,
+        what: &str,
+        offset: u64,
+        result: io::Result<u64>,
+        mapped: bool,
+    ) {
         if let Err(e) = &result {
             log::error!("{}: {what} guest offset {offset}: {e}", self.name);
         }
-        reply.post(Answer::Done {
+        let a = Answer::Done {
             sub,
             result: result.map_err(|e| e.raw_os_error().unwrap_or(libc::EIO)),
-        });
+        };
+        self.outbox.push((Arc::clone(reply), a, mapped));
+    }
+
+    /// End of a batch: the changed mappings into the file, then every answer; if they
+    /// could not be written, the jobs that changed them fail.
+    fn settle(&mut self, src: &FileIo<'_>) {
+        if self.flush_mappings(src).is_err() {
+            for (_, a, mapped) in &mut self.outbox {
+                match *a {
+                    Answer::Place { sub, .. } | Answer::Done { sub, result: Ok(_) } if *mapped => {
+                        *a = Answer::Done {
+                            sub,
+                            result: Err(libc::EIO),
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        for (reply, a, _) in self.outbox.drain(..) {
+            reply.post(a);
+        }
     }
 
     fn load(&mut self, src: &FileIo<'_>, slice: u64, logged: &mut bool) -> Answer {

@@ -24,7 +24,7 @@
 //! A write acknowledged without a FLUSH may still be lost by a power failure, as any
 //! write on a disk with a volatile cache; a FLUSH makes it durable.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -43,6 +43,9 @@ use crate::engine::{Engine, Op};
 /// 16,384 clusters).
 const BATCH_BYTES: u64 = 8 << 20;
 
+/// The most L2 bytes written in one write.
+const MAX_RUN: usize = 1 << 20;
+
 /// Mappings kept in memory before they are written back regardless of time.
 const MAX_PENDING: usize = 16384;
 
@@ -54,7 +57,13 @@ pub(crate) struct Writer {
     pending_free: Vec<u64>,
     /// Clusters counted (refcount 1, durable) and not handed out yet, in order.
     reserved: VecDeque<u64>,
-    /// A slice of L2 entries on its way to the file (kept for its capacity).
+    /// L2 slices (their keys: the first guest cluster each maps) changed since they
+    /// were last written: written at the end of the owner's batch of jobs, before the
+    /// jobs are answered.
+    dirty: BTreeSet<u64>,
+    /// A copy-on-write's bytes were written in this batch: synced before its mapping.
+    sync_first: bool,
+    /// L2 entries on their way to the file (kept for its capacity).
     l2buf: Vec<u8>,
     since: Option<Instant>,
     /// A `sync` engine on the backing file, for copy-on-write.
@@ -89,6 +98,8 @@ impl Writer {
             pending_l2: BTreeMap::new(),
             pending_free: Vec::new(),
             reserved: VecDeque::new(),
+            dirty: BTreeSet::new(),
+            sync_first: false,
             l2buf: Vec::new(),
             since: None,
             backing,
@@ -393,10 +404,11 @@ impl Owner {
             Fill::Nothing => {}
         }
         if ordered {
-            self.sync(src)?;
+            // Before the mapping is written (at the end of the batch).
+            self.writer.as_mut().ok_or_else(eio)?.sync_first = true;
         }
         let host = c << bits;
-        self.remap(src, gc, Mapping::Data { host, copied: true }, old)?;
+        self.remap(gc, Mapping::Data { host, copied: true }, old)?;
         self.counters.allocated.fetch_add(1, Ordering::Relaxed);
         Ok(host)
     }
@@ -465,35 +477,98 @@ impl Owner {
         Ok(())
     }
 
-    /// Guest cluster `gc` is mapped as `new` from now on (it was `old`): the entry is
-    /// written into the file (a cached slice whole, else the entry alone), then the
-    /// caches say so.
-    fn remap(&mut self, src: &FileIo<'_>, gc: u64, new: Mapping, old: Mapping) -> io::Result<()> {
+    /// Guest cluster `gc` is mapped as `new` from now on (it was `old`): the caches say
+    /// so, and its slice is written at the end of the batch ([`Owner::flush_mappings`]),
+    /// before the job is answered.
+    fn remap(&mut self, gc: u64, new: Mapping, old: Mapping) -> io::Result<()> {
         let bits = self.cluster_bits();
         let cluster = 1u64 << bits;
-        let per_table = self.meta.header().l2_entries();
-        let table = self.meta.l1_entry(gc / per_table).ok_or_else(eio)?;
-        let (key, k) = self.meta.slice_key(gc);
-        let at = table + (key % per_table) * 8;
-        let Owner { writer, meta, .. } = self;
-        let w = writer.as_mut().ok_or_else(eio)?;
-        let entry = encode_l2(new).to_be_bytes();
-        match meta.cached_slice(key) {
-            Some(raw) => {
-                w.l2buf.clear();
-                w.l2buf.extend(raw.iter().flat_map(|e| e.to_be_bytes()));
-                w.l2buf[k * 8..k * 8 + 8].copy_from_slice(&entry);
-                src.write_all_at(&w.l2buf, at)?;
-            }
-            None => src.write_all_at(&entry, at + k as u64 * 8)?,
-        }
-        let file_size = meta.file_size();
+        let (key, _) = self.meta.slice_key(gc);
+        let file_size = self.meta.file_size();
+        let w = self.writer.as_mut().ok_or_else(eio)?;
         w.pending_l2.insert(gc, new);
+        w.dirty.insert(key);
         w.free(old, bits);
         w.changed();
         let e = w.entry(gc, new, cluster, file_size);
-        meta.set_l2(gc, new);
+        self.meta.set_l2(gc, new);
         self.table.set(gc, e);
+        Ok(())
+    }
+
+    /// Write the slices of L2 entries changed since the last call into the file (after
+    /// an `fdatasync` if a copy-on-write's bytes must be durable first): a cached slice
+    /// as the cache has it, another read and patched with the unsynced mappings; slices
+    /// next to each other in one write. A failure is for good, as a failed sync's.
+    pub(crate) fn flush_mappings(&mut self, src: &FileIo<'_>) -> io::Result<()> {
+        match self.writer.as_ref() {
+            Some(w) if w.dirty.is_empty() => return Ok(()),
+            Some(w) if w.failed => return Err(eio()),
+            Some(_) => {}
+            None => return Ok(()),
+        }
+        if self.writer.as_ref().is_some_and(|w| w.sync_first) {
+            self.sync(src)?;
+        }
+        let r = self.write_slices(src);
+        let Some(w) = self.writer.as_mut() else {
+            return r;
+        };
+        w.sync_first = false;
+        w.dirty.clear();
+        if let Err(e) = &r {
+            if !w.failed {
+                log::error!(
+                    "{}: writing L2 entries failed ({e}): from now on every write and flush fails (restart the daemon after `qemu-img check`)",
+                    self.name
+                );
+            }
+            w.failed = true;
+        }
+        r
+    }
+
+    fn write_slices(&mut self, src: &FileIo<'_>) -> io::Result<()> {
+        let per_table = self.meta.header().l2_entries();
+        let Owner { writer, meta, .. } = self;
+        let Some(w) = writer.as_mut() else {
+            return Ok(());
+        };
+        let n = meta.slice_clusters();
+        let run = &mut w.l2buf;
+        run.clear();
+        let mut run_at = 0u64;
+        for &key in &w.dirty {
+            let table = meta.l1_entry(key / per_table).ok_or_else(eio)?;
+            let at = table + (key % per_table) * 8;
+            if !run.is_empty() && (run_at + run.len() as u64 != at || run.len() >= MAX_RUN) {
+                src.write_all_at(run, run_at)?;
+                run.clear();
+            }
+            if run.is_empty() {
+                run_at = at;
+            }
+            // A cached slice may have been evicted and read again from the file since
+            // the change: the unsynced mappings go into it first.
+            for (&gc, &m) in w.pending_l2.range(key..key + n) {
+                meta.set_l2(gc, m);
+            }
+            match meta.cached_slice(key) {
+                Some(raw) => run.extend(raw.iter().flat_map(|e| e.to_be_bytes())),
+                None => {
+                    let start = run.len();
+                    run.resize(start + n as usize * 8, 0);
+                    src.read_or_zero(&mut run[start..], at)?;
+                    for (&gc, &m) in w.pending_l2.range(key..key + n) {
+                        let i = start + (gc - key) as usize * 8;
+                        run[i..i + 8].copy_from_slice(&encode_l2(m).to_be_bytes());
+                    }
+                }
+            }
+        }
+        if !run.is_empty() {
+            src.write_all_at(run, run_at)?;
+        }
         Ok(())
     }
 
@@ -539,7 +614,7 @@ impl Owner {
                         // Unallocated where there is no table needs none; the zero flag
                         // needs its entry.
                         self.ensure_table(src, gc)?;
-                        self.remap(src, gc, new, old)?;
+                        self.remap(gc, new, old)?;
                     }
                     at += n;
                     continue;
@@ -601,6 +676,7 @@ impl Owner {
             Some(w) if w.pending() => {}
             _ => return Ok(()),
         }
+        self.flush_mappings(src)?;
         if let Some(w) = self.writer.as_mut() {
             w.refs.flush(src)?;
         }
