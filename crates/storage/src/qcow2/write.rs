@@ -39,9 +39,11 @@ use super::table::Entry;
 use crate::backend::Backend;
 use crate::engine::{Engine, Op};
 
-/// How many bytes of clusters are counted at once, ahead of their use (between 16 and
-/// 16,384 clusters).
+/// How many bytes of clusters are counted at once, ahead of their use, at first: a
+/// batch taken within a second of the one before is twice as large, up to
+/// [`MAX_BATCH_BYTES`] (each costs an `fdatasync`); between 16 and 65,536 clusters.
 const BATCH_BYTES: u64 = 8 << 20;
+const MAX_BATCH_BYTES: u64 = 256 << 20;
 
 /// The most L2 bytes written in one write.
 const MAX_RUN: usize = 1 << 20;
@@ -57,6 +59,9 @@ pub(crate) struct Writer {
     pending_free: Vec<u64>,
     /// Clusters counted (refcount 1, durable) and not handed out yet, in order.
     reserved: VecDeque<u64>,
+    /// The size of the next batch, and when the last was taken.
+    batch_bytes: u64,
+    last_batch: Option<Instant>,
     /// L2 slices (their keys: the first guest cluster each maps) changed since they
     /// were last written: written at the end of the owner's batch of jobs, before the
     /// jobs are answered.
@@ -98,6 +103,8 @@ impl Writer {
             pending_l2: BTreeMap::new(),
             pending_free: Vec::new(),
             reserved: VecDeque::new(),
+            batch_bytes: BATCH_BYTES,
+            last_batch: None,
             dirty: BTreeSet::new(),
             sync_first: false,
             l2buf: Vec::new(),
@@ -416,12 +423,25 @@ impl Owner {
     /// A cluster for data or an L2 table, counted (refcount 1) and durable: from the
     /// batch, or from a new batch at the end of the file (the file grown over it: holes).
     fn take_cluster(&mut self, src: &FileIo<'_>) -> io::Result<u64> {
+        match self.writer.as_mut().ok_or_else(eio)?.reserved.pop_front() {
+            Some(c) => Ok(c),
+            None => self.take_batch(src),
+        }
+    }
+
+    /// Count a new batch of clusters at the end of the file; the first of them.
+    fn take_batch(&mut self, src: &FileIo<'_>) -> io::Result<u64> {
         let bits = self.cluster_bits();
         let w = self.writer.as_mut().ok_or_else(eio)?;
-        if let Some(c) = w.reserved.pop_front() {
-            return Ok(c);
-        }
-        let n = (BATCH_BYTES >> bits).clamp(16, 16384);
+        // Allocating fast: larger batches, fewer syncs. Idle a while: small again.
+        w.batch_bytes = match w.last_batch {
+            Some(t) if t.elapsed() < Duration::from_secs(1) => {
+                (w.batch_bytes * 2).min(MAX_BATCH_BYTES)
+            }
+            _ => BATCH_BYTES,
+        };
+        w.last_batch = Some(Instant::now());
+        let n = (w.batch_bytes >> bits).clamp(16, 65536);
         let mut end = 0;
         for _ in 0..n {
             let c = match w.refs.reserve(src) {
