@@ -544,6 +544,11 @@ impl Owner {
                 );
             }
             w.failed = true;
+            // Clusters whose mappings may not be in the file are no longer written in
+            // place by the workers: their writes go to the owner, which fails them.
+            for &gc in w.pending_l2.keys() {
+                self.table.set(gc, Entry::Slow);
+            }
         }
         r
     }
