@@ -5,7 +5,8 @@
 //! an image whose backing file the command line does not name is refused with the way out;
 //! a writable qcow2 killed with SIGKILL ten times under allocating writes keeps every write
 //! it acknowledged, and `qemu-img check` finds no corruption each time (leaked clusters
-//! only: the clusters counted ahead of their use that a crash leaves unused).
+//! only: the clusters counted ahead of their use that a crash leaves unused); two daemons
+//! share one base read-only, which QEMU's locks keep it from writing meanwhile.
 
 mod support;
 
@@ -546,4 +547,69 @@ fn a_frontend_writes_a_qcow2_and_qemu_reads_what_it_wrote() {
             after[at], want[at]
         );
     }
+}
+
+/// One base shared read-only by two daemons, each serving its own qcow2 image over it:
+/// both start (their locks on the base let readers share it), QEMU can read the base
+/// beside them but cannot open it for writing while they run (qemu-io names the "write"
+/// lock they refuse to share), and can once they are gone.
+#[test]
+fn two_daemons_share_a_base_that_qemu_cannot_write_meanwhile() {
+    let dir = temp_dir("qcow2-shared-base");
+    let d = dir.path();
+    tool(d, "qemu-img", &["create", "-f", "raw", "base.raw", "8M"]);
+    for top in ["a.qcow2", "b.qcow2"] {
+        tool(
+            d,
+            "qemu-img",
+            &[
+                "create", "-f", "qcow2", "-b", "base.raw", "-F", "raw", top, "8M",
+            ],
+        );
+    }
+    let base = d.join("base.raw");
+    let start = |name: &str| {
+        let sock = d.join(format!("{name}.sock"));
+        let top = d.join(format!("{name}.qcow2"));
+        let args = [
+            "--socket-path",
+            sock.to_str().unwrap(),
+            "--format",
+            "qcow2",
+            "--backing",
+            base.to_str().unwrap(),
+            "--blk-file",
+            top.to_str().unwrap(),
+        ];
+        Daemon::start_vblk(name, &args, &sock, &d.join(format!("{name}.log")))
+    };
+    let mut a = start("a");
+    let mut b = start("b");
+    a.assert_running("serving a.qcow2 over the shared base");
+    b.assert_running("serving b.qcow2 over the same base");
+    let qemu_io = |args: &[&str]| {
+        Command::new("qemu-io")
+            .args(args)
+            .arg(&base)
+            .output()
+            .expect("qemu-io (qemu-utils)")
+    };
+    let write = qemu_io(&["-f", "raw", "-c", "write 0 4k"]);
+    let err = String::from_utf8_lossy(&write.stderr);
+    assert!(
+        !write.status.success() && err.contains("Failed to get \"write\" lock"),
+        "QEMU wrote the base two daemons read: {write:?}"
+    );
+    let read = qemu_io(&["-r", "-f", "raw", "-c", "read 0 4k"]);
+    assert!(
+        read.status.success(),
+        "QEMU could not read the base: {read:?}"
+    );
+    drop(a);
+    drop(b);
+    let write = qemu_io(&["-f", "raw", "-c", "write 0 4k"]);
+    assert!(
+        write.status.success(),
+        "QEMU could not write the base after the daemons ended: {write:?}"
+    );
 }
