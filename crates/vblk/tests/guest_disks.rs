@@ -61,13 +61,20 @@ i=0
 while [ -b /dev/vdc ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
 check unplugged test ! -b /dev/vdc
 # The host now removes the chardev and the disk while this guest still runs, then plugs a
-# virtio-rng into the same port: that device is its signal that it is done.
-n=$(ls /sys/bus/pci/devices | wc -l)
+# virtio-rng into the same port: that device is its signal that it is done. It is found by
+# its PCI ID (virtio vendor 0x1af4, entropy device 0x1044, or 0x1005 transitional), not
+# by counting devices: the unplugged disk's PCI device may still be listed when /dev/vdc
+# is gone, so a count taken then is one too high.
+rng() {
+  for d in /sys/bus/pci/devices/*; do
+    [ "$(cat $d/vendor)" = 0x1af4 ] || continue
+    case "$(cat $d/device)" in 0x1044|0x1005) return 0 ;; esac
+  done
+  return 1
+}
 i=0
-while [ "$(ls /sys/bus/pci/devices | wc -l)" -le "$n" ] && [ $i -lt 1800 ]; do
-  sleep 0.1; i=$((i + 1))
-done
-check host-finished test "$(ls /sys/bus/pci/devices | wc -l)" -gt "$n"
+while ! rng && [ $i -lt 1800 ]; do sleep 0.1; i=$((i + 1)); done
+check host-finished rng
 "#;
 
 #[test]
