@@ -16,6 +16,10 @@
 //! - [`Backend::deactivate`] makes every completed write durable (`fdatasync`) and then
 //!   releases the locks, so that the other side sees everything when it takes them.
 //!
+//! A qcow2 image also hands over the metadata each daemon holds in memory: the owner
+//! writes and syncs it before the locks go, and reads it again after they are taken
+//! (qcow2/handoff.rs).
+//!
 //! The write-cache setting the guest chose is state that must move with the image too:
 //! QEMU carries a vhost-user-blk device's configuration space in its migration stream but
 //! never tells the destination's backend. A guest that turned the cache off would then be
@@ -48,12 +52,30 @@ const WRITEBACK_XATTR: &std::ffi::CStr = c"user.vblk.writeback";
 impl Backend {
     /// What this backend holds of its image now.
     pub fn holding(&self) -> Holding {
+        if let Some(image) = self.qcow2() {
+            return image.container.holding();
+        }
         *self.holding.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Take the image's write locks if this backend is inactive. True if it was inactive
     /// (and is active now); an error, naming the other writer, if another user holds them.
     pub fn activate(&self) -> Result<bool, Error> {
+        if let Some(image) = self.qcow2() {
+            // The locks first, then the metadata, read again under them.
+            if !image.container.activate()? {
+                return Ok(false);
+            }
+            if let Err(e) = image.hand_over(true) {
+                // Not served: the locks go back, for the other daemon to take again.
+                let _ = image.container.deactivate();
+                return Err(qcow2_error(
+                    self,
+                    format!("taking the image over: {e} (the daemon's log tells more)"),
+                ));
+            }
+            return Ok(true);
+        }
         let mut h = self.holding.lock().unwrap_or_else(|p| p.into_inner());
         if *h != Holding::Inactive {
             return Ok(false);
@@ -81,6 +103,16 @@ impl Backend {
     /// Make completed writes durable and release the write locks, if this backend is
     /// active. True if it was active (and is inactive now).
     pub fn deactivate(&self) -> Result<bool, Error> {
+        if let Some(image) = self.qcow2() {
+            if image.container.holding() != Holding::Active {
+                return Ok(false);
+            }
+            // Everything durable before the locks go.
+            image
+                .hand_over(false)
+                .map_err(|e| qcow2_error(self, format!("handing the image over: {e}")))?;
+            return image.container.deactivate();
+        }
         let mut h = self.holding.lock().unwrap_or_else(|p| p.into_inner());
         if *h != Holding::Active {
             return Ok(false);
@@ -104,6 +136,9 @@ impl Backend {
     /// Keep the guest's write-cache choice with the image (files only; false when there
     /// is nowhere to keep it, or the file system refuses extended attributes).
     pub fn remember_writeback(&self, writeback: bool) -> bool {
+        if let Some(image) = self.qcow2() {
+            return image.container.remember_writeback(writeback);
+        }
         let Some(file) = self
             .file
             .as_ref()
@@ -135,6 +170,9 @@ impl Backend {
 
     /// The write-cache choice kept with the image, if any.
     pub fn remembered_writeback(&self) -> Option<bool> {
+        if let Some(image) = self.qcow2() {
+            return image.container.remembered_writeback();
+        }
         let file = self
             .file
             .as_ref()
@@ -154,6 +192,13 @@ impl Backend {
             (1, b'1') => Some(true),
             _ => None,
         }
+    }
+}
+
+fn qcow2_error(b: &Backend, why: String) -> Error {
+    Error::Qcow2 {
+        path: b.path().map(|p| p.to_owned()).unwrap_or_default(),
+        why,
     }
 }
 

@@ -185,49 +185,12 @@ fn raw_crash_image(dir: &Path) -> CrashImage {
 /// before, so every round allocates (14,336 clusters). The two marker clusters are
 /// allocated beforehand, so that they stay where `qemu-img map` finds them.
 fn qcow2_crash_image(dir: &Path) -> CrashImage {
-    let qemu = |args: &[&str]| {
-        let out = Command::new(args[0])
-            .args(&args[1..])
-            .current_dir(dir)
-            .output()
-            .unwrap_or_else(|e| panic!("{} (qemu-utils): {e}", args[0]));
-        assert!(out.status.success(), "{args:?}: {out:?}");
-        String::from_utf8(out.stdout).unwrap()
-    };
-    qemu(&[
-        "qemu-img",
-        "create",
-        "-f",
-        "qcow2",
-        "-o",
-        "cluster_size=4096",
-        "disk.qcow2",
-        "4G",
-    ]);
-    qemu(&[
-        "qemu-io",
-        "-f",
-        "qcow2",
-        "-c",
-        "write -P 0 96M 4k",
-        "-c",
-        "write -P 0 100M 4k",
-        "disk.qcow2",
-    ]);
-    let map: serde_json::Value =
-        serde_json::from_str(&qemu(&["qemu-img", "map", "--output=json", "disk.qcow2"])).unwrap();
-    let host = |guest: u64| {
-        map.as_array()
-            .unwrap()
-            .iter()
-            .find(|e| e["start"].as_u64() == Some(guest) && e["data"] == true)
-            .and_then(|e| e["offset"].as_u64())
-            .unwrap_or_else(|| panic!("qemu-img map: no data at {guest}: {map}"))
-    };
+    let (path, hosts) =
+        support::guest::qcow2_with_markers(dir, "disk.qcow2", "4G", 4096, &[96 * MIB, 100 * MIB]);
     CrashImage {
-        path: dir.join("disk.qcow2"),
-        start_at: host(96 * MIB),
-        stop_at: host(100 * MIB),
+        path,
+        start_at: hosts[0],
+        stop_at: hosts[1],
         first: 128,
         stride: 64,
     }

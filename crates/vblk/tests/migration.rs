@@ -14,6 +14,10 @@
 //! image's last 4 KiB); the guest's last pass and a final verify must be clean, and its
 //! disk must still be write-through.
 //!
+//! The same run on a qcow2 image of 4 KiB clusters, new at the start: the passes allocate
+//! on both daemons, and each must read the image's metadata again when it takes the
+//! image over (qcow2/handoff.rs in the storage crate).
+//!
 //! The same run with every fourth request of each daemon held 200 ms before it reaches
 //! the disk (`--delay-every 4:200:hold`): every switchover then finds requests in flight,
 //! which must finish (and be logged) before the ring stop is answered. And the same run
@@ -109,6 +113,9 @@ check_eq cache_still_off "$(cat /sys/block/vda/cache_type)" "write through"
 enum Kind {
     Vblk,
     VblkDelayed,
+    /// A qcow2 image with 4 KiB clusters: the passes allocate on both daemons, each of
+    /// which must read the image's metadata again when it takes the image over.
+    VblkQcow2,
     QemuStorageDaemon,
 }
 
@@ -116,13 +123,27 @@ enum Kind {
 fn run(kind: Kind) -> Option<String> {
     let name = format!("migrate-{kind:?}");
     let dir = TempDir::new_in(&target_dir().join("tmp"), &name);
-    let image = dir.join("disk.img");
-    fs::File::create(&image)
-        .unwrap()
-        .set_len(DISK_BYTES)
-        .unwrap();
+    // The file, and where in it the stop marker is.
+    let (image, stop_at) = if kind == Kind::VblkQcow2 {
+        let (path, hosts) = support::guest::qcow2_with_markers(
+            dir.path(),
+            "disk.qcow2",
+            &DISK_BYTES.to_string(),
+            4096,
+            &[DISK_BYTES - 4096],
+        );
+        (path, hosts[0])
+    } else {
+        let image = dir.join("disk.img");
+        fs::File::create(&image)
+            .unwrap()
+            .set_len(DISK_BYTES)
+            .unwrap();
+        (image, DISK_BYTES - 4096)
+    };
     let (backend, mut extra): (Backend, Vec<&str>) = match kind {
         Kind::Vblk => (Backend::Vblk, vec!["--format", "raw"]),
+        Kind::VblkQcow2 => (Backend::Vblk, vec!["--format", "qcow2"]),
         Kind::VblkDelayed => (
             Backend::Vblk,
             vec!["--format", "raw", "--delay-every", "4:200:hold"],
@@ -216,7 +237,7 @@ fn run(kind: Kind) -> Option<String> {
         daemons[1 - on].kill();
     }
     // Tell the guest to stop: a marker it reads through its disk.
-    support::guest::write_at(&image, DISK_BYTES - 4096, b"STOP");
+    support::guest::write_at(&image, stop_at, b"STOP");
     if !vm.wait_console("VBLK-DONE", Duration::from_secs(300)) {
         problems.push("the guest did not finish after the migrations".to_string());
     }
@@ -379,7 +400,7 @@ fn run_all(kinds: &[Kind]) {
 
 #[test]
 fn a_guest_migrates_back_and_forth_between_two_vblk_daemons_under_fio_verify() {
-    run_all(&[Kind::Vblk, Kind::VblkDelayed]);
+    run_all(&[Kind::Vblk, Kind::VblkDelayed, Kind::VblkQcow2]);
 }
 
 #[test]

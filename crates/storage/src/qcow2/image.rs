@@ -135,12 +135,24 @@ impl Image {
         if !self.writable {
             return Ok(());
         }
+        self.ask(|reply| Job::Flush { sub: 0, reply })
+    }
+
+    /// Take the image over from another daemon (`active`: its metadata read again), or
+    /// let go of it (everything durable, no more writes): qcow2/handoff.rs. The caller
+    /// holds, or has just released, the file's write locks. Nothing for a read-only image.
+    pub(crate) fn hand_over(&self, active: bool) -> std::io::Result<()> {
+        if !self.writable {
+            return Ok(());
+        }
+        self.ask(|reply| Job::Handoff { active, reply })
+    }
+
+    /// Send the owner the job `make` builds and wait for its answer (checking every
+    /// second that the owner still runs).
+    fn ask(&self, make: impl FnOnce(Arc<Mailbox>) -> Job) -> std::io::Result<()> {
         let reply = Arc::new(Mailbox::new(1)?);
-        let job = Job::Flush {
-            sub: 0,
-            reply: Arc::clone(&reply),
-        };
-        if self.jobs().send(job).is_err() {
+        if self.jobs().send(make(Arc::clone(&reply))).is_err() {
             return Err(std::io::Error::from_raw_os_error(libc::EIO));
         }
         let mut answers = std::collections::VecDeque::new();
@@ -259,14 +271,21 @@ pub(crate) fn open(
     let cache_slices = (opts.qcow2_cache / 4096).max(1);
     let meta =
         Meta::open(&reader, header.clone(), cache_slices).map_err(|e| fail(e.to_string()))?;
+    // A migration destination (`incoming`) reads no refcount and writes nothing until it
+    // takes the image over (qcow2/handoff.rs): the source still writes it.
+    let inactive = opts.image.incoming && !opts.read_only;
     let refs = if opts.read_only {
         None
     } else if container.kind() == crate::BackendKind::BlockDevice {
         return Err(fail(
             "vblk writes qcow2 images in files only (it allocates at the end of the file); serve this one read-only".into(),
         ));
+    } else if inactive {
+        header.check_writable().map_err(&fail)?;
+        Refcounts::check_width(&header).map_err(&fail)?;
+        Some(Refcounts::unloaded(&header))
     } else {
-        Some(writable(&reader, &header, file_size, meta.l2_tables(), opts).map_err(fail)?)
+        Some(prepare_writing(&reader, &header, file_size, meta.l2_tables()).map_err(fail)?)
     };
     drop(reader);
 
@@ -307,6 +326,7 @@ pub(crate) fn open(
         mappings: Vec::new(),
         counters: Arc::default(),
         outbox: Vec::with_capacity(64),
+        inactive,
     };
     let counters = Arc::clone(&owner.counters);
     let c = Arc::clone(&container);
@@ -351,18 +371,15 @@ pub(crate) fn open(
 
 /// What writing needs, checked and loaded: the header allows it, the refcounts are
 /// 16-bit and loaded, and autoclear feature bits (whose extensions vblk does not keep up
-/// to date, e.g. persistent bitmaps) are cleared in the file, as QEMU clears them.
-fn writable(
+/// to date, e.g. persistent bitmaps) are cleared in the file, as QEMU clears them. At
+/// open, and again when the image is taken over from another daemon.
+pub(crate) fn prepare_writing(
     io: &FileIo<'_>,
     header: &Header,
     file_size: u64,
     l2_tables: impl Iterator<Item = u64>,
-    opts: &OpenOptions,
 ) -> Result<Refcounts, String> {
     header.check_writable()?;
-    if opts.image.incoming {
-        return Err("a qcow2 image is not yet served writable as a live migration's destination (--incoming)".into());
-    }
     let refs = Refcounts::open(io, header, file_size, l2_tables)?;
     if header.version >= 3 && header.autoclear != 0 {
         io.write_all_at(&0u64.to_be_bytes(), 88)

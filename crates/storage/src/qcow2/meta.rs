@@ -210,6 +210,11 @@ impl Meta {
         })
     }
 
+    /// The most L2 slices the cache holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// The image's header.
     pub fn header(&self) -> &Header {
         &self.header

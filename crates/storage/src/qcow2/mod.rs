@@ -6,6 +6,7 @@
 pub(crate) mod engine;
 pub mod entry;
 mod fileio;
+mod handoff;
 pub mod header;
 pub(crate) mod image;
 mod iov;

@@ -61,6 +61,8 @@ pub(crate) enum Job {
     },
     /// Make every completed write durable, mappings included.
     Flush { sub: u32, reply: Arc<Mailbox> },
+    /// Take the image over (`active`), or let go of it (qcow2/handoff.rs).
+    Handoff { active: bool, reply: Arc<Mailbox> },
 }
 
 // SAFETY: a Read or Write job's buffers are lent to the owner under `Engine::push`'s contract: the
@@ -156,6 +158,9 @@ pub(crate) struct Owner {
     pub(crate) counters: Arc<Counters>,
     /// The batch's answers, posted once its mappings are in the file.
     pub(crate) outbox: Vec<(Arc<Mailbox>, Answer, bool)>,
+    /// Another daemon may write the image (a migration's other end): no write, discard
+    /// or write-zeroes is done until the image is taken over (qcow2/handoff.rs).
+    pub(crate) inactive: bool,
 }
 
 /// The most jobs taken at one wake-up of the owner.
@@ -220,6 +225,21 @@ impl Owner {
     }
 
     fn job(&mut self, src: &FileIo<'_>, job: Job, corrupt_logged: &mut bool) {
+        if self.inactive {
+            if let Job::Write {
+                sub, offset, reply, ..
+            }
+            | Job::Zero {
+                sub, offset, reply, ..
+            } = job
+            {
+                let result = Err(io::Error::other(
+                    "the image is handed over to another daemon (a live migration)",
+                ));
+                self.answer(&reply, sub, "writing", offset, result, false);
+                return;
+            }
+        }
         match job {
             Job::Load { slice, reply } => {
                 let a = self.load(src, slice, corrupt_logged);
@@ -266,6 +286,21 @@ impl Owner {
             Job::Flush { sub, reply } => {
                 let result = self.flush_job(src).map(|()| 0);
                 self.answer(&reply, sub, "flushing", 0, result, false);
+            }
+            Job::Handoff { active, reply } => {
+                let result = if active {
+                    self.activate(src)
+                } else {
+                    self.deactivate(src)
+                };
+                if let Err(e) = &result {
+                    log::error!("{}: {e}", self.name);
+                }
+                let result = result
+                    .map(|()| 0)
+                    .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO));
+                self.outbox
+                    .push((reply, Answer::Done { sub: 0, result }, false));
             }
         }
     }
@@ -330,7 +365,14 @@ impl Owner {
                 let mut out = std::mem::take(&mut self.entries);
                 out.clear();
                 out.extend(entries.iter().map(|&m| Entry::of(m, cluster, file_size)));
-                if let Some(w) = self.writer.as_mut() {
+                if self.inactive {
+                    // Read in place, written by no one (qcow2/handoff.rs).
+                    for e in out.iter_mut() {
+                        if let Entry::Owned(h) = *e {
+                            *e = Entry::Data(h);
+                        }
+                    }
+                } else if let Some(w) = self.writer.as_mut() {
                     for (i, e) in out.iter_mut().enumerate() {
                         let gc = first + i as u64;
                         if let Some(m) = w.pending_mapping(gc) {

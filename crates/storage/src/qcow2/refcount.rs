@@ -52,12 +52,7 @@ impl Refcounts {
         file_size: u64,
         l2_tables: impl Iterator<Item = u64>,
     ) -> Result<Refcounts, String> {
-        if h.refcount_order != 4 {
-            return Err(format!(
-                "its refcounts are {} bits wide; vblk writes 16-bit refcounts only (`qemu-img amend -o refcount_bits=16` converts it), or serve it read-only",
-                1u32 << h.refcount_order.min(31)
-            ));
-        }
+        Refcounts::check_width(h)?;
         let cluster = h.cluster_size();
         let bytes = u64::from(h.reftable_clusters) * cluster;
         let mut raw = vec![0u8; bytes as usize];
@@ -129,6 +124,32 @@ impl Refcounts {
             cache: Vec::with_capacity(CACHED_BLOCKS),
             next_free: file_size.div_ceil(cluster),
         })
+    }
+
+    /// Refuse refcounts of a width vblk does not write.
+    pub(crate) fn check_width(h: &Header) -> Result<(), String> {
+        if h.refcount_order != 4 {
+            return Err(format!(
+                "its refcounts are {} bits wide; vblk writes 16-bit refcounts only (`qemu-img amend -o refcount_bits=16` converts it), or serve it read-only",
+                1u32 << h.refcount_order.min(31)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refcounts not read yet: an image opened inactive (a migration destination) loads
+    /// them when it takes the image over (qcow2/handoff.rs); the owner writes nothing
+    /// before.
+    pub(crate) fn unloaded(h: &Header) -> Refcounts {
+        Refcounts {
+            metadata: HashSet::new(),
+            cluster_bits: h.cluster_bits,
+            reftable_offset: h.reftable_offset,
+            reftable: Vec::new(),
+            per_block: h.cluster_size() / 2,
+            cache: Vec::new(),
+            next_free: u64::MAX,
+        }
     }
 
     /// The cache index of block `b`, loaded if needed; None when it does not exist.

@@ -162,6 +162,18 @@ impl Table {
         s.seq.store(seq.wrapping_add(2), Ordering::Release);
     }
 
+    /// Forget every slice (the owner only, while no request uses the table: the image was
+    /// handed back after another daemon wrote it).
+    pub(crate) fn clear(&self) {
+        for s in self.slots.iter() {
+            let seq = s.seq.load(Ordering::Relaxed);
+            s.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
+            fence(Ordering::Release);
+            s.key.store(u64::MAX, Ordering::Relaxed);
+            s.seq.store(seq.wrapping_add(2), Ordering::Release);
+        }
+    }
+
     /// Store slice `slice` (the owner only; `entries` has at most `per_slice` entries,
     /// the rest of the slot reads as unallocated).
     pub(crate) fn put(&self, slice: u64, entries: impl Iterator<Item = Entry>) {
@@ -214,6 +226,9 @@ mod tests {
         assert_eq!(t.get(16 * 512 + 1), Some(Entry::Owned(0x20000)));
         t.set(5, Entry::Zero); // slice 0 is not in the table: nothing changes
         assert_eq!(t.get(5), None);
+        t.clear();
+        assert_eq!(t.get(16 * 512 + 1), None);
+        assert!(!t.holds(16));
     }
 
     #[test]

@@ -118,6 +118,21 @@ impl Writer {
         }
     }
 
+    /// Start again on the refcounts `refs`, read again from the file after another
+    /// daemon wrote it (qcow2/handoff.rs; nothing is pending once the image was handed
+    /// over).
+    pub(crate) fn reset(&mut self, refs: Refcounts) {
+        self.refs = refs;
+        self.pending_l2.clear();
+        self.pending_free.clear();
+        self.reserved.clear();
+        self.batch_bytes = BATCH_BYTES;
+        self.last_batch = None;
+        self.dirty.clear();
+        self.sync_first = false;
+        self.since = None;
+    }
+
     /// Whether anything waits to be written back.
     pub(crate) fn pending(&self) -> bool {
         !self.pending_l2.is_empty() || !self.pending_free.is_empty()

@@ -110,6 +110,51 @@ pub fn write_at(path: &Path, offset: u64, data: &[u8]) {
         .unwrap_or_else(|e| panic!("{}: write at {offset}: {e}", path.display()));
 }
 
+/// A new qcow2 image `name` in `dir` of `size` (e.g. "4G") with clusters of `cluster`
+/// bytes, whose 4 KiB at each guest offset of `markers` are written (zeroes) beforehand:
+/// the host tells a guest something by writing into the file there, where `qemu-img
+/// map` found them. Its path and the markers' offsets in the file.
+pub fn qcow2_with_markers(
+    dir: &Path,
+    name: &str,
+    size: &str,
+    cluster: u64,
+    markers: &[u64],
+) -> (PathBuf, Vec<u64>) {
+    let qemu = |args: &[&str]| {
+        let out = std::process::Command::new(args[0])
+            .args(&args[1..])
+            .current_dir(dir)
+            .output()
+            .unwrap_or_else(|e| panic!("{} (qemu-utils): {e}", args[0]));
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let opts = format!("cluster_size={cluster}");
+    qemu(&["qemu-img", "create", "-f", "qcow2", "-o", &opts, name, size]);
+    let writes: Vec<String> = markers
+        .iter()
+        .map(|m| format!("write -P 0 {m} 4k"))
+        .collect();
+    let mut args = vec!["qemu-io", "-f", "qcow2"];
+    for w in &writes {
+        args.extend(["-c", w.as_str()]);
+    }
+    args.push(name);
+    qemu(&args);
+    let map: serde_json::Value =
+        serde_json::from_str(&qemu(&["qemu-img", "map", "--output=json", name])).unwrap();
+    let host = |guest: u64| {
+        map.as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["start"].as_u64() == Some(guest) && e["data"] == true)
+            .and_then(|e| e["offset"].as_u64())
+            .unwrap_or_else(|| panic!("qemu-img map: no data at {guest}: {map}"))
+    };
+    (dir.join(name), markers.iter().map(|&m| host(m)).collect())
+}
+
 /// Where two buffers first differ, for messages.
 pub fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
     a.iter()
