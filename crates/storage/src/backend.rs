@@ -335,10 +335,9 @@ impl Backend {
         let old = self.size();
         let path = self.path.clone().unwrap_or_default();
         if self.qcow2.is_some() {
-            return Err(Error::Qcow2 {
-                path,
-                why: "a qcow2 image's size is in its header, and vblk does not resize qcow2 images yet: stop the daemon, `qemu-img resize`, start it again".into(),
-            });
+            // Its size is in its header, which only this daemon writes
+            // (`Backend::resize`): nobody else changed it.
+            return Ok((old, old));
         }
         let new = match (self.kind, self.file.as_ref()) {
             (BackendKind::File, Some(f)) => f
@@ -378,6 +377,73 @@ impl Backend {
         }
         self.size.store(new, Ordering::Relaxed);
         Ok((old, new))
+    }
+
+    /// Make the disk `size` bytes (`vblk disk resize`): a file is truncated to it, a
+    /// qcow2 image grown (qcow2/resize.rs). Smaller only for a raw file and with
+    /// `allow_shrink`; a qcow2 image only grows. Block devices are resized by their owner
+    /// (`lvextend`), then re-read (`refresh_size`, SIGHUP). Returns (old, new) in bytes.
+    pub fn resize(&self, size: u64, allow_shrink: bool) -> Result<(u64, u64), Error> {
+        let old = self.size();
+        let path = self.path.clone().unwrap_or_default();
+        let refuse = |why: String| Error::Qcow2 {
+            path: path.clone(),
+            why,
+        };
+        if self.read_only {
+            return Err(Error::ResizeRefused {
+                why: "the disk is served read-only".into(),
+            });
+        }
+        let block = u64::from(self.logical_block_size);
+        if size == 0 || !size.is_multiple_of(block) {
+            return Err(Error::ResizeRefused {
+                why: format!(
+                    "{size} bytes is not a positive multiple of the disk's {block}-byte blocks"
+                ),
+            });
+        }
+        if let Some(image) = self.qcow2() {
+            if size < old {
+                return Err(refuse(format!(
+                    "{size} bytes is smaller than its {old} bytes: vblk grows qcow2 images only (shrink one nobody serves with `qemu-img resize --shrink`)"
+                )));
+            }
+            let l1 = size.div_ceil(image.header().l2_entries() * image.header().cluster_size()) * 8;
+            if l1 > crate::qcow2::header::MAX_L1_BYTES {
+                return Err(refuse(format!(
+                    "{size} bytes would need an L1 table of {l1} bytes, more than the {} QEMU reads",
+                    crate::qcow2::header::MAX_L1_BYTES
+                )));
+            }
+            image.grow(size).map_err(|e| {
+                refuse(format!(
+                    "growing it to {size} bytes: {e} (the daemon's log tells more)"
+                ))
+            })?;
+            self.size.store(size, Ordering::Relaxed);
+            return Ok((old, size));
+        }
+        match (self.kind, self.file.as_ref()) {
+            (BackendKind::File, Some(f)) => {
+                if size < old && !allow_shrink {
+                    return Err(Error::ResizeRefused {
+                        why: format!("{size} bytes is smaller than its {old} bytes: shrinking the disk under the guest loses what it wrote there (--shrink allows it)"),
+                    });
+                }
+                f.set_len(size).map_err(|source| Error::Io {
+                    path: path.clone(),
+                    op: "ftruncate",
+                    source,
+                })?;
+                self.size.store(size, Ordering::Relaxed);
+                Ok((old, size))
+            }
+            (BackendKind::BlockDevice, _) => Err(Error::ResizeRefused {
+                why: "a block device is resized by its owner (e.g. `lvextend`); then send the daemon SIGHUP and it reads the new size".into(),
+            }),
+            _ => Err(Error::Resize { kind: self.kind }),
+        }
     }
 
     /// 512, or what O_DIRECT needs for offsets and lengths on this file or device
@@ -792,7 +858,7 @@ fn qcow2_over(
         container.serial.clone(),
     );
     let image = crate::qcow2::image::open(&path, container, align, opts, chain)?;
-    let mut b = Backend::bare(kind, image.size, &serial, opts);
+    let mut b = Backend::bare(kind, image.size(), &serial, opts);
     b.path = Some(path);
     // The chain's largest block: what O_DIRECT needs of every file in it.
     let mut lbs = lbs;

@@ -101,6 +101,12 @@ pub enum Error {
         /// What the disk is.
         kind: crate::BackendKind,
     },
+    /// A resize that cannot be done.
+    #[error("resize refused: {why}")]
+    ResizeRefused {
+        /// Why, with the way out.
+        why: String,
+    },
     /// The file or device shrank and shrinking was not allowed.
     #[error("{} shrank from {old} to {new} bytes; refusing to shrink the disk under the guest (--allow-shrink allows it)", path.display())]
     Shrink {

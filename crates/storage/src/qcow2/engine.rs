@@ -61,6 +61,10 @@ struct Parent {
     iov: *const libc::iovec,
     iovcnt: u32,
     pending: u32,
+    /// Bytes from `offset` translated and sent (or zeroed) already: a request spanning
+    /// more slices than the table holds at once goes out in parts, each routed when its
+    /// slice is in (two of its slices may share a slot).
+    routed: u64,
     errno: i32,
     /// The slice it waits for while parked, and the one it asked the owner for
     /// ([`NONE`] when its question was answered or not asked).
@@ -217,6 +221,7 @@ impl Qcow2Engine {
             iov,
             iovcnt,
             pending: 0,
+            routed: 0,
             errno: 0,
             waiting: NONE,
             asked: NONE,
@@ -231,7 +236,7 @@ impl Qcow2Engine {
             && len.is_multiple_of(512)
             && offset
                 .checked_add(len)
-                .is_some_and(|e| e <= self.image.size)
+                .is_some_and(|e| e <= self.image.size())
     }
 
     /// A request the owner does whole (flush, discard, write-zeroes): one piece.
@@ -244,6 +249,7 @@ impl Qcow2Engine {
             iov: std::ptr::null(),
             iovcnt: 0,
             pending: 1,
+            routed: 0,
             errno: 0,
             waiting: NONE,
             asked: NONE,
@@ -284,25 +290,37 @@ impl Qcow2Engine {
         );
     }
 
-    /// Translate parent `p` and send its pieces; false when a slice is missing (the
-    /// parent is then to be parked).
+    /// Parent `p` fails with `errno`: nothing more of it is sent, and it ends once its
+    /// pieces out are back.
+    fn fail_parent(&mut self, p: u32, errno: i32) {
+        let pr = &mut self.parents[p as usize];
+        pr.errno = errno;
+        pr.routed = pr.len;
+        if pr.pending == 0 {
+            self.end_parent(p);
+        }
+    }
+
+    /// Translate what is left of parent `p` and send its pieces; false when a slice is
+    /// missing (the parent is then to be parked, with what came before it sent).
     fn route(&mut self, p: u32) -> bool {
         let img = &self.image;
         let (bits, table) = (img.cluster_bits, &img.table);
         let cluster = 1u64 << bits;
-        let (offset, len) = {
+        let (offset, len, routed) = {
             let pr = &self.parents[p as usize];
-            (pr.offset, pr.len)
+            (pr.offset, pr.len, pr.routed)
         };
         self.runs.clear();
-        let mut off = offset;
+        let mut off = offset + routed;
+        let mut missing = None;
         while off < offset + len {
             let c = off >> bits;
             let in_c = off & (cluster - 1);
             let n = (cluster - in_c).min(offset + len - off);
             let Some(e) = table.get(c) else {
-                self.parents[p as usize].waiting = c / table.per_slice();
-                return false;
+                missing = Some(c / table.per_slice());
+                break;
             };
             let write = self.parents[p as usize].write;
             let (kind, at) = match (e, write) {
@@ -336,9 +354,14 @@ impl Qcow2Engine {
             off += n;
         }
         if self.runs.iter().any(|r| r.kind == Kind::Corrupt) {
-            self.parents[p as usize].errno = libc::EIO;
-            self.end_parent(p);
+            self.fail_parent(p, libc::EIO);
             return true;
+        }
+        if let Some(slice) = missing {
+            self.parents[p as usize].waiting = slice;
+            if self.runs.is_empty() {
+                return false;
+            }
         }
         let backing_size = self.image.backing_size;
         let does = match self.parents[p as usize].write {
@@ -355,7 +378,7 @@ impl Qcow2Engine {
                 Kind::Zero | Kind::Corrupt => 0,
             })
             .sum();
-        self.parents[p as usize].pending = pending + 1;
+        self.parents[p as usize].pending += pending + 1;
         for i in 0..self.runs.len() {
             let r = self.runs[i];
             match r.kind {
@@ -376,8 +399,13 @@ impl Qcow2Engine {
             }
         }
         // The count's extra one, taken back now that every piece is out.
-        self.parents[p as usize].pending -= 1;
-        if self.parents[p as usize].pending == 0 {
+        let pr = &mut self.parents[p as usize];
+        pr.routed = off - offset;
+        pr.pending -= 1;
+        if missing.is_some() {
+            return false;
+        }
+        if pr.pending == 0 {
             self.end_parent(p);
         }
         true
@@ -527,7 +555,7 @@ impl Qcow2Engine {
             Err(e) => pr.errno = e.raw_os_error().unwrap_or(libc::EIO),
         }
         pr.pending -= 1;
-        if pr.pending == 0 {
+        if pr.pending == 0 && pr.routed == pr.len {
             self.end_parent(p);
         }
     }
@@ -562,8 +590,7 @@ impl Qcow2Engine {
         if self.ask(p) {
             self.parked.push_back(p);
         } else {
-            self.parents[p as usize].errno = libc::EIO;
-            self.end_parent(p);
+            self.fail_parent(p, libc::EIO);
         }
     }
 
@@ -608,8 +635,7 @@ impl Qcow2Engine {
                             };
                             let pr = &mut self.parents[p as usize];
                             if pr.waiting == slice {
-                                pr.errno = errno;
-                                self.end_parent(p);
+                                self.fail_parent(p, errno);
                             } else {
                                 if pr.asked == slice {
                                     pr.asked = NONE;

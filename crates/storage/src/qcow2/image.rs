@@ -101,7 +101,8 @@ pub struct ImageStats {
 
 /// An opened qcow2 image, shared by every engine on it.
 pub struct Image {
-    pub(crate) size: u64,
+    /// The virtual size (grown by [`Image::grow`]).
+    pub(crate) size: AtomicU64,
     /// Served writable (the owner allocates; workers write owned clusters in place).
     pub(crate) writable: bool,
     pub(crate) cluster_bits: u32,
@@ -146,6 +147,19 @@ impl Image {
             return Ok(());
         }
         self.ask(|reply| Job::Handoff { active, reply })
+    }
+
+    /// Grow the image to `size` bytes (qcow2/resize.rs); blocks until the owner has
+    /// written it. Requests may reach the new bytes once this returns.
+    pub(crate) fn grow(&self, size: u64) -> std::io::Result<()> {
+        self.ask(|reply| Job::Resize { size, reply })?;
+        self.size.fetch_max(size, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The virtual size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size.load(Ordering::Relaxed)
     }
 
     /// Send the owner the job `make` builds and wait for its answer (checking every
@@ -353,7 +367,7 @@ pub(crate) fn open(
         }
     );
     Ok(Image {
-        size: header.size,
+        size: AtomicU64::new(header.size),
         writable: !opts.read_only,
         cluster_bits: header.cluster_bits,
         table,

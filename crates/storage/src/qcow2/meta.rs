@@ -270,6 +270,23 @@ impl Meta {
         self.file_size = self.file_size.max(size);
     }
 
+    /// The image was grown to `size` bytes (qcow2/resize.rs), and its L1 table moved to
+    /// `(offset, entries)` if given (the new entries are empty).
+    pub fn resized(&mut self, size: u64, l1: Option<(u64, u32)>) {
+        self.header.size = size;
+        if let Some((offset, entries)) = l1 {
+            self.header.l1_offset = offset;
+            self.header.l1_entries = entries;
+            self.l1.resize(entries as usize, None);
+            let end = offset + u64::from(entries) * 8;
+            for r in &mut self.reserved {
+                if r.2 == "the L1 table" {
+                    *r = (offset, end, r.2);
+                }
+            }
+        }
+    }
+
     /// The L2 table of L1 entry `index`, if it has one.
     pub fn l1_entry(&self, index: u64) -> Option<u64> {
         self.l1.get(index as usize).copied().flatten()

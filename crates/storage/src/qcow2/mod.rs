@@ -13,6 +13,7 @@ mod iov;
 pub mod meta;
 mod owner;
 mod refcount;
+mod resize;
 mod table;
 mod write;
 

@@ -63,6 +63,8 @@ pub(crate) enum Job {
     Flush { sub: u32, reply: Arc<Mailbox> },
     /// Take the image over (`active`), or let go of it (qcow2/handoff.rs).
     Handoff { active: bool, reply: Arc<Mailbox> },
+    /// Grow the image to `size` bytes (qcow2/resize.rs).
+    Resize { size: u64, reply: Arc<Mailbox> },
 }
 
 // SAFETY: a Read or Write job's buffers are lent to the owner under `Engine::push`'s contract: the
@@ -287,11 +289,15 @@ impl Owner {
                 let result = self.flush_job(src).map(|()| 0);
                 self.answer(&reply, sub, "flushing", 0, result, false);
             }
-            Job::Handoff { active, reply } => {
-                let result = if active {
-                    self.activate(src)
-                } else {
-                    self.deactivate(src)
+            Job::Handoff { .. } | Job::Resize { .. } => {
+                let (result, reply) = match job {
+                    Job::Handoff {
+                        active: true,
+                        reply,
+                    } => (self.activate(src), reply),
+                    Job::Handoff { reply, .. } => (self.deactivate(src), reply),
+                    Job::Resize { size, reply } => (self.grow(src, size), reply),
+                    _ => return,
                 };
                 if let Err(e) = &result {
                     log::error!("{}: {e}", self.name);

@@ -133,6 +133,18 @@ impl Writer {
         self.since = None;
     }
 
+    /// `n` consecutive clusters from those counted ahead of use, if there is such a run;
+    /// the first. They are counted already (refcount 1, durable).
+    pub(crate) fn take_run(&mut self, n: u64) -> Option<u64> {
+        let n = usize::try_from(n).ok()?;
+        let r = &self.reserved;
+        let start =
+            (0..r.len().checked_sub(n - 1)?).find(|&i| r[i + n - 1] == r[i] + (n as u64 - 1))?;
+        let first = r[start];
+        self.reserved.drain(start..start + n);
+        Some(first)
+    }
+
     /// Whether anything waits to be written back.
     pub(crate) fn pending(&self) -> bool {
         !self.pending_l2.is_empty() || !self.pending_free.is_empty()
@@ -224,7 +236,7 @@ impl Owner {
     }
 
     /// The file now reaches `end`: the metadata and the engines' bounds follow.
-    fn grew(&mut self, end: u64) {
+    pub(crate) fn grew(&mut self, end: u64) {
         self.meta.grow(end);
         if let Some(w) = self.writer.as_ref() {
             w.container.grow_to(end);
@@ -693,7 +705,7 @@ impl Owner {
     }
 
     /// `fdatasync`; a failure is for good (see `Writer::failed`).
-    fn sync(&mut self, src: &FileIo<'_>) -> io::Result<()> {
+    pub(crate) fn sync(&mut self, src: &FileIo<'_>) -> io::Result<()> {
         let r = src.sync();
         if let (Err(e), Some(w)) = (&r, self.writer.as_mut()) {
             if !w.failed {
