@@ -15,6 +15,8 @@
 //! - `{"op":"set","id":ID,"throttle":LIMITS,"group":NAME}`: a disk's QoS limits (QEMU's
 //!   `KEY=VALUE,...`, `none` for none; they replace the old ones) and its throttle group
 //!   (`""` for none); either may be left out.
+//! - `{"op":"resize","id":ID,"size":BYTES,"shrink":BOOL}`: make a disk that size (a raw
+//!   file truncated, a qcow2 image grown) and tell its frontend.
 //! - `{"op":"group","name":NAME,"limits":LIMITS}`: a throttle group's limits.
 //!
 //! Replies are `{"ok":true,...}` or `{"error":MESSAGE}`. The client is trusted as the
@@ -251,6 +253,19 @@ fn handle(
                 Err(e) => error(e),
             }
         }
+        "resize" => {
+            let Some(id) = id else {
+                return error("resize: which disk? (\"id\")");
+            };
+            let Some(size) = body["size"].as_u64() else {
+                return error("resize: what size? (\"size\", in bytes)");
+            };
+            let shrink = body["shrink"].as_bool().unwrap_or(false);
+            match registry.resize_disk(id, size, shrink) {
+                Ok((old, new)) => json!({ "ok": true, "old": old, "size": new }),
+                Err(e) => error(e),
+            }
+        }
         "group" => {
             let Some(name) = body["name"].as_str() else {
                 return error("group: which group? (\"name\")");
@@ -265,7 +280,7 @@ fn handle(
             }
         }
         other => error(format!(
-            "unknown request {other:?} (this daemon knows stats, list, add, remove, set, group)"
+            "unknown request {other:?} (this daemon knows stats, list, add, remove, set, resize, group)"
         )),
     }
 }

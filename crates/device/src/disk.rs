@@ -336,18 +336,18 @@ impl RunningDisk {
     }
 }
 
-/// Re-read the disk's size (SIGHUP); tell the frontend if it changed.
+/// Re-read the disk's size (SIGHUP, or after `vblk disk resize` changed it); tell the
+/// frontend if it is not the capacity it was told.
 fn resize(shared: &DiskShared, session: Option<&mut Session>) {
     let id = &shared.id;
     match shared.disk.refresh_size(shared.config.allow_shrink) {
-        Ok((old, new)) if old == new => info!("disk {id}: resize: the disk is still {new} bytes"),
-        Ok((old, new)) => {
-            info!("disk {id}: resize: the disk is now {new} bytes (was {old})");
-            if let Some(s) = session {
-                s.capacity_changed(new >> proto::wire::SECTOR_SHIFT);
-            }
-        }
+        Ok((old, new)) if old == new => info!("disk {id}: the disk is {new} bytes"),
+        Ok((old, new)) => info!("disk {id}: resize: the disk is now {new} bytes (was {old})"),
         Err(e) => error!("disk {id}: resize refused: {e}"),
+    }
+    let sectors = shared.disk.size() >> proto::wire::SECTOR_SHIFT;
+    if let Some(s) = session.filter(|s| s.capacity() != sectors) {
+        s.capacity_changed(sectors);
     }
 }
 

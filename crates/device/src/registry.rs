@@ -230,6 +230,34 @@ impl Registry {
         }
     }
 
+    /// Make disk `id` `size` bytes (`vblk disk resize`: a raw file truncated, a qcow2
+    /// image grown; smaller only with `shrink`, and never a qcow2), then tell its
+    /// frontend. The old and new sizes.
+    pub(crate) fn resize_disk(
+        &self,
+        id: &str,
+        size: u64,
+        shrink: bool,
+    ) -> Result<(u64, u64), String> {
+        let (shared, controls) = {
+            let inner = self.lock();
+            let d = inner
+                .disks
+                .iter()
+                .find(|d| d.shared.id == id)
+                .ok_or_else(|| format!("no disk is named {id:?}"))?;
+            (Arc::clone(&d.shared), Arc::clone(&d.controls))
+        };
+        // Not under the registry's lock: growing a qcow2 writes and syncs its metadata.
+        let (old, new) = shared
+            .disk
+            .resize(size, shrink)
+            .map_err(|e| format!("disk {id}: {e}"))?;
+        info!("disk {id}: resized from {old} to {new} bytes");
+        controls.resize();
+        Ok((old, new))
+    }
+
     /// Stop every disk (in parallel: each finishes its requests and flushes), wait for
     /// all. The first error, if any.
     pub(crate) fn stop_all(&self) -> Result<(), Error> {

@@ -56,6 +56,18 @@ pub enum DiskCommand {
     ///   vblk disk set /run/vblk/control.sock vm1 iops-total=2000,bps-total=100M
     #[command(verbatim_doc_comment)]
     Set(SetArgs),
+    /// Make a disk larger (or, for a raw file and with --shrink, smaller) while it is
+    /// served; its frontend is told (QEMU raises a config-change interrupt and the guest
+    /// sees the new size, as with QMP block_resize).
+    ///
+    /// A raw file is truncated to SIZE; a qcow2 image is grown (its header, and its L1
+    /// table moved when it must grow); qcow2 images are never shrunk online (`qemu-img
+    /// resize --shrink` on an image nobody serves). A block device is resized by its owner
+    /// (`lvextend`), then the daemon is sent SIGHUP and reads the new size.
+    ///
+    ///   vblk disk resize /run/vblk/control.sock vm1 40G
+    #[command(verbatim_doc_comment)]
+    Resize(ResizeArgs),
     /// Set a throttle group's limits while the daemon runs (the group is made if need be).
     ///
     ///   vblk disk group /run/vblk/control.sock tenants iops-total=20000
@@ -113,6 +125,20 @@ pub struct SetArgs {
     pub id: String,
     /// throttle.KEY=VALUE,... and/or throttle.group=NAME.
     pub settings: String,
+}
+
+/// `vblk disk resize`.
+#[derive(Debug, Args)]
+pub struct ResizeArgs {
+    /// The daemon's control socket.
+    pub control: PathBuf,
+    /// The disk's name (`vblk disk list`).
+    pub id: String,
+    /// The new size: bytes, or with K, M, G, T (powers of 1024); a multiple of 512.
+    pub size: String,
+    /// Allow a smaller size (raw files only): what the guest wrote past it is lost.
+    #[arg(long)]
+    pub shrink: bool,
 }
 
 /// `vblk disk group`.
@@ -192,6 +218,27 @@ pub fn run(cmd: DiskCommand) -> Result<(), Box<dyn Error>> {
         DiskCommand::Set(a) => {
             set(&a.control, &a.id, &split_items(&a.settings))?;
             println!("disk {}: set", a.id);
+            Ok(())
+        }
+        DiskCommand::Resize(a) => {
+            let size = storage::parse_size(&a.size)
+                .map_err(|e| format!("{}: not a size ({e})", a.size))?;
+            let reply = request(
+                &a.control,
+                &json!({"op": "resize", "id": a.id, "size": size, "shrink": a.shrink}),
+                &[],
+                SLOW_REQUEST,
+            )?;
+            let old = reply["old"].as_u64().unwrap_or(0);
+            let new = reply["size"].as_u64().unwrap_or(size);
+            println!(
+                "disk {}: {} bytes ({}), was {} bytes ({})",
+                a.id,
+                new,
+                size_text(new),
+                old,
+                size_text(old)
+            );
             Ok(())
         }
         DiskCommand::Group(a) => {

@@ -16,6 +16,8 @@
 //!    clean (the daemon finds a head offered twice, fio fails, or the guest hangs). This
 //!    shows that test 2 tests something.
 //!
+//! 4. A qcow2 disk grown by `vblk disk resize` under a running guest.
+//!
 //! About two minutes on 2 cores. Needs (Debian): qemu-system-x86, linux-image-amd64,
 //! busybox-static, fio.
 
@@ -129,6 +131,130 @@ check same-bytes cmp /tmp/x /tmp/y
     assert!(
         log.contains("told the frontend the capacity is now 262144 sectors"),
         "{log}"
+    );
+}
+
+/// A qcow2 disk grown by `vblk disk resize` (the daemon writes the image's header and
+/// moves its L1 table: 4 KiB clusters, 64 MiB to 128 MiB needs 64 L1 entries, not 32)
+/// under a running guest, whose `/dev/vda` grows and takes I/O past its old end; the
+/// image then reads as grown in QEMU's tools, with what the guest wrote there, and
+/// `qemu-img check` finds nothing wrong. A shrink is refused with the reason.
+#[test]
+fn a_qcow2_disk_grown_by_vblk_disk_resize_under_a_running_guest() {
+    let dir = TempDir::new("guest-qcow2-resize");
+    let (img, hosts) =
+        support::guest::qcow2_with_markers(dir.path(), "disk.qcow2", "64M", 4096, &[0]);
+    let ctl = dir.join("ctl.sock");
+    let d = Daemon::start(
+        Backend::Vblk,
+        "vblk",
+        &Export::new(&img, 1).args(&[
+            "--format",
+            "qcow2",
+            "--control-socket",
+            ctl.to_str().unwrap(),
+        ]),
+        &dir.join("vblk.sock"),
+        &dir.join("vblk.log"),
+    );
+    let script = r#"
+before=$(cat /sys/block/vda/size)
+check_eq size-before "$before" 131072
+printf 'VBLK-RESIZE-READY' > /tmp/m
+dd if=/tmp/m of=/dev/vda bs=512 count=1 conv=sync oflag=direct 2>/dev/null
+i=0
+while [ $i -lt 600 ]; do
+    [ "$(cat /sys/block/vda/size)" != "$before" ] && break
+    sleep 0.1; i=$((i + 1))
+done
+check_eq size-after "$(cat /sys/block/vda/size)" 262144
+yes VBLK-GROWN | head -c 1048576 > /tmp/x
+check write-past-old-end dd if=/tmp/x of=/dev/vda bs=1M seek=100 oflag=direct
+check read-past-old-end dd if=/dev/vda of=/tmp/y bs=1M skip=100 count=1 iflag=direct
+check same-bytes cmp /tmp/x /tmp/y
+"#;
+    let (img2, ctl2, marker) = (img.clone(), ctl.clone(), hosts[0]);
+    let resizer = std::thread::spawn(move || -> Result<String, String> {
+        if !wait_for_marker(
+            &img2,
+            marker,
+            b"VBLK-RESIZE-READY",
+            Duration::from_secs(240),
+        ) {
+            return Err("the guest never said it was ready".into());
+        }
+        let c = support::cli::s(&ctl2);
+        // The disk is named after its socket (vblk.sock).
+        let (ok, shrink) = support::cli::vblk(&["disk", "resize", c, "vblk", "32M"]);
+        if ok || !shrink.contains("grows qcow2 images only") {
+            return Err(format!(
+                "a shrink was not refused as it should be: {shrink}"
+            ));
+        }
+        let (ok, out) = support::cli::vblk(&["disk", "resize", c, "vblk", "128M"]);
+        if !ok {
+            return Err(format!("vblk disk resize failed: {out}"));
+        }
+        Ok(out)
+    });
+    let boot = Guest::new("qcow2-resize")
+        .disk(&d.socket, 1)
+        .attach_log("vblk serve", &d.log)
+        .watch("vblk serve", d.pid())
+        .script(script)
+        .boot();
+    let said = resizer.join().unwrap();
+    assert!(said.is_ok(), "{said:?}\n{}", boot.report());
+    assert!(
+        said.as_ref()
+            .is_ok_and(|s| s.contains("134217728 bytes (128.0 MiB), was 67108864")),
+        "{said:?}"
+    );
+    boot.assert_ok(&[
+        "size-before",
+        "size-after",
+        "write-past-old-end",
+        "read-past-old-end",
+        "same-bytes",
+    ]);
+    let log = d.log_text();
+    assert!(log.contains("L1 table moved"), "{log}");
+    assert!(
+        log.contains("told the frontend the capacity is now 262144 sectors"),
+        "{log}"
+    );
+    let mut d = d;
+    assert!(
+        d.terminate(Duration::from_secs(30)),
+        "the daemon did not stop"
+    );
+    let qemu = |args: &[&str]| {
+        let out = Command::new(args[0])
+            .args(&args[1..])
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (ok, check) = qemu(&["qemu-img", "check", "disk.qcow2"]);
+    assert!(ok && check.contains("No errors were found"), "{check}");
+    let (_, info) = qemu(&["qemu-img", "info", "--output=json", "disk.qcow2"]);
+    assert!(info.contains("\"virtual-size\": 134217728"), "{info}");
+    let (ok, _) = qemu(&["qemu-img", "convert", "-O", "raw", "disk.qcow2", "out.raw"]);
+    assert!(ok);
+    let back = support::guest::read_at(&dir.join("out.raw"), 100 * MIB, 1 << 20);
+    let want: Vec<u8> = b"VBLK-GROWN\n"
+        .iter()
+        .copied()
+        .cycle()
+        .take(1 << 20)
+        .collect();
+    assert!(
+        back == want,
+        "qemu-img reads other bytes where the guest wrote past the old end"
     );
 }
 

@@ -207,6 +207,11 @@ impl Session {
         })
     }
 
+    /// The capacity the frontend was told, in sectors.
+    pub(crate) fn capacity(&self) -> u64 {
+        self.blk.capacity.load(Ordering::Relaxed)
+    }
+
     /// The disk now has `sectors` sectors: publish the new capacity and tell the frontend
     /// through the backend channel (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG), which QEMU
     /// turns into a virtio config-change interrupt.
