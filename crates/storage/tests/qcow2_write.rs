@@ -328,3 +328,67 @@ fn images_vblk_cannot_write_safely_are_refused_for_writing() {
         Backend::open(&DiskSpec::File(d.join(name)), &o).unwrap();
     }
 }
+
+/// An image whose file outgrows what its refcount table covers gets a larger table, as
+/// QEMU gives it: qemu-img sizes the table for the file it creates, which for 512-byte
+/// clusters covers 8 MiB of file (4 GiB with 4 KiB clusters). Writing 48 MiB moves the
+/// table (more than once), after which `qemu-img check` finds no error and no leak and
+/// `qemu-img convert` reads what was written; before, the writes failed once the file
+/// reached the end of what the table covered.
+#[test]
+fn the_refcount_table_grows_when_the_file_outgrows_it() {
+    let dir = scratch();
+    let d = dir.path();
+    tool(
+        d,
+        "qemu-img",
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=512",
+            "g.qcow2",
+            "64M",
+        ],
+    );
+    let path = d.join("g.qcow2");
+    let header = |p: &Path| {
+        let b = fs::read(p).unwrap();
+        (
+            u64::from_be_bytes(b[48..56].try_into().unwrap()),
+            u32::from_be_bytes(b[56..60].try_into().unwrap()),
+        )
+    };
+    let before = header(&path);
+    let backend = Arc::new(
+        Backend::open(
+            &DiskSpec::File(path.clone()),
+            &options(&[], CacheMode::None),
+        )
+        .unwrap(),
+    );
+    let mut e = engine(&backend, EngineKind::IoUring, 16);
+    let mut shadow = vec![0u8; 64 << 20];
+    let mut rng = Rng::new(11);
+    for i in 0..48u64 {
+        let mut data = vec![0u8; 1 << 20];
+        rng.fill(&mut data);
+        common::write(&mut *e, i << 20, &data, &[1 << 20], 0, false).unwrap();
+        shadow[(i << 20) as usize..][..1 << 20].copy_from_slice(&data);
+    }
+    let back = common::read(&mut *e, 0, &[64 << 20], 0).unwrap();
+    assert!(
+        back == shadow,
+        "the disk reads other bytes than were written"
+    );
+    drop(e);
+    drop(backend);
+    let after = header(&path);
+    assert!(
+        after.0 != before.0 && after.1 > before.1,
+        "the refcount table did not move and grow: {before:?} -> {after:?}"
+    );
+    check_clean(d, "g.qcow2");
+    assert!(raw_of(d, "g.qcow2") == shadow, "qemu-img reads other bytes");
+}

@@ -118,6 +118,7 @@ mod tests {
                 "vblk-disk-add",
                 "vblk-disk-remove",
                 "vblk-disk-set",
+                "vblk-disk-resize",
                 "vblk-disk-group",
                 "vblk-disk-sync"
             ]
@@ -141,6 +142,7 @@ mod tests {
                 "vblk-disk-add.1",
                 "vblk-disk-remove.1",
                 "vblk-disk-set.1",
+                "vblk-disk-resize.1",
                 "vblk-disk-group.1",
                 "vblk-disk-sync.1"
             ]

@@ -9,7 +9,7 @@ use std::process::Command;
 use support::assets::require_program;
 use support::util::temp_dir;
 
-const PAGES: [&str; 12] = [
+const PAGES: [&str; 13] = [
     "vblk",
     "vblk-serve",
     "vblk-info",
@@ -20,6 +20,7 @@ const PAGES: [&str; 12] = [
     "vblk-disk-add",
     "vblk-disk-remove",
     "vblk-disk-set",
+    "vblk-disk-resize",
     "vblk-disk-group",
     "vblk-disk-sync",
 ];

@@ -1,6 +1,7 @@
-//! Refcounts, for the writer (the metadata owner): the refcount table loaded whole, a few
-//! refcount blocks cached, 16-bit refcounts (QEMU's default; other widths are refused for
-//! writing at open). Clusters are allocated at the end of the file, never reused in a
+//! Refcounts, for the writer (the metadata owner): the refcount table loaded whole (and
+//! grown, moved to the end of the file, when the file outgrows it), a few refcount
+//! blocks cached, 16-bit refcounts (QEMU's default; other widths are refused for writing
+//! at open). Clusters are allocated at the end of the file, never reused in a
 //! session: a cluster freed while a worker may still hold its old mapping is never handed
 //! out again here, so no grace period is needed.
 //!
@@ -16,6 +17,9 @@ use super::fileio::FileIo;
 use super::header::Header;
 use super::meta::Source;
 
+/// Where the header keeps the refcount table's offset (8 bytes) and size in clusters
+/// (4 bytes, right after).
+const REFTABLE_FIELDS: u64 = 48;
 /// Refcount blocks kept in memory.
 const CACHED_BLOCKS: usize = 8;
 /// Clusters `reserve` looks at before it gives up on finding a free one.
@@ -106,15 +110,6 @@ impl Refcounts {
             }
         }
         metadata.extend(tables);
-        let covered = reftable.len() as u64 * (cluster / 2) * cluster;
-        if covered < file_size + h.size {
-            log::warn!(
-                "its refcount table covers {} MiB of file; the image may grow past that ({} MiB now, {} MiB virtual), and vblk does not grow the table: writes then fail with ENOSPC (qemu-img convert makes a larger one)",
-                covered >> 20,
-                file_size >> 20,
-                h.size >> 20
-            );
-        }
         Ok(Refcounts {
             metadata,
             cluster_bits: h.cluster_bits,
@@ -217,11 +212,7 @@ impl Refcounts {
     pub(crate) fn set(&mut self, io: &FileIo<'_>, c: u64, v: u16) -> io::Result<()> {
         let b = c / self.per_block;
         if b as usize >= self.reftable.len() {
-            log::error!(
-                "qcow2: cluster {c} needs refcount block {b}, past the refcount table's {} entries; vblk does not grow the table (qemu-img convert to a new image does)",
-                self.reftable.len()
-            );
-            return Err(enospc("the refcount table is full"));
+            self.grow_table(io, b + 1)?;
         }
         let i = match self.block(io, b)? {
             Some(i) => i,
@@ -274,12 +265,10 @@ impl Refcounts {
         for _ in 0..RESERVE_TRIES {
             let c = self.next_free;
             if c / self.per_block >= self.reftable.len() as u64 {
-                log::error!(
-                    "qcow2: cluster {c} would need refcount block {}, past the refcount table's {} entries; vblk does not grow the table (qemu-img convert to a new image does)",
-                    c / self.per_block,
-                    self.reftable.len()
-                );
-                return Err(enospc("the refcount table is full"));
+                // Past what the table covers: a larger one (and the clusters it takes
+                // are skipped).
+                self.grow_table(io, c / self.per_block + 1)?;
+                continue;
             }
             self.next_free += 1;
             if self.get(io, c)? == 0 && !self.metadata.contains(&c) {
@@ -287,6 +276,95 @@ impl Refcounts {
             }
         }
         Err(enospc("no free cluster past the end of the file"))
+    }
+
+    /// A larger refcount table, of at least `entries` entries (twice the old one at
+    /// least), as QEMU grows it: at the end of the file, the new table and the refcount
+    /// blocks that count it (and themselves) are written and synced, then the header
+    /// points at the table (its offset and size in one 12-byte write) and is synced, then
+    /// the old table's clusters are given back. A crash before the header write leaks the
+    /// new clusters, after it the old table's.
+    fn grow_table(&mut self, io: &FileIo<'_>, entries: u64) -> io::Result<()> {
+        let bits = self.cluster_bits;
+        let cluster = 1u64 << bits;
+        let per_cluster = cluster / 8;
+        let (pb, old_len) = (self.per_block, self.reftable.len() as u64);
+        let mut want = entries.max(old_len * 2).div_ceil(per_cluster) * per_cluster;
+        let start = self.next_free;
+        // The table's clusters, then the new blocks the area needs: one for each block
+        // index the area reaches that has none yet. Grown until the table can point at
+        // them all.
+        let (tc, blocks) = loop {
+            if want * 8 > super::header::MAX_REFTABLE_BYTES {
+                log::error!(
+                    "qcow2: the refcount table would need {} bytes, more than QEMU reads ({}): the image cannot grow further",
+                    want * 8,
+                    super::header::MAX_REFTABLE_BYTES
+                );
+                return Err(enospc("the refcount table is full"));
+            }
+            let tc = want / per_cluster;
+            let mut blocks: Vec<u64> = Vec::new();
+            loop {
+                let end = start + tc + blocks.len() as u64;
+                let missing: Vec<u64> = (start / pb..=(end - 1) / pb)
+                    .filter(|&b| self.reftable.get(b as usize).is_none_or(|&e| e == 0))
+                    .collect();
+                if missing.len() == blocks.len() {
+                    blocks = missing;
+                    break;
+                }
+                blocks = missing;
+            }
+            let end = start + tc + blocks.len() as u64;
+            if (end - 1) / pb < want {
+                break (tc, blocks);
+            }
+            want += per_cluster;
+        };
+        let end = start + tc + blocks.len() as u64;
+        // The new blocks, each counting the area's clusters it covers.
+        let mut table = vec![0u64; want as usize];
+        table[..old_len as usize].copy_from_slice(&self.reftable);
+        for (k, &b) in blocks.iter().enumerate() {
+            let at = start + tc + k as u64;
+            let mut counts = vec![0u8; cluster as usize];
+            for c in (b * pb).max(start)..((b + 1) * pb).min(end) {
+                let i = ((c - b * pb) * 2) as usize;
+                counts[i..i + 2].copy_from_slice(&1u16.to_be_bytes());
+            }
+            io.write_all_at(&counts, at << bits)?;
+            table[b as usize] = at << bits;
+        }
+        let raw: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
+        io.write_all_at(&raw, start << bits)?;
+        // Area clusters under blocks that exist already are counted there.
+        self.next_free = end;
+        for c in start..end {
+            if !blocks.contains(&(c / pb)) {
+                self.set(io, c, 1)?;
+            }
+        }
+        self.flush(io)?;
+        io.sync()?;
+        let mut fields = [0u8; 12];
+        fields[..8].copy_from_slice(&(start << bits).to_be_bytes());
+        fields[8..].copy_from_slice(&(tc as u32).to_be_bytes());
+        io.write_all_at(&fields, REFTABLE_FIELDS)?;
+        io.sync()?;
+        let (old_offset, old_clusters) = (self.reftable_offset, old_len / per_cluster);
+        self.reftable = table;
+        self.reftable_offset = start << bits;
+        self.metadata.extend(start..end);
+        for c in (old_offset >> bits)..(old_offset >> bits) + old_clusters {
+            self.set(io, c, 0)?;
+        }
+        log::info!(
+            "qcow2: refcount table grown to {want} entries ({tc} clusters at {:#x}, was {old_len} at {old_offset:#x}), {} new refcount blocks",
+            start << bits,
+            blocks.len()
+        );
+        Ok(())
     }
 
     /// Whether cluster `c` holds metadata.
