@@ -363,18 +363,11 @@ fn metadata_pointing_at_metadata_fails_that_read_with_eio_only() {
 fn a_request_larger_than_the_translation_table_completes_in_parts() {
     let dir = scratch();
     let d = dir.path();
-    tool(
+    common::create_qcow2(
         d,
-        "qemu-img",
-        &[
-            "create",
-            "-f",
-            "qcow2",
-            "-o",
-            "cluster_size=512,preallocation=falloc",
-            "big.qcow2",
-            "160M",
-        ],
+        "big.qcow2",
+        "cluster_size=512,preallocation=falloc",
+        "160M",
     );
     for cmd in [
         "write -P 0x41 0 1M",

@@ -276,19 +276,7 @@ fn refusal(path: &Path, o: &OpenOptions) -> String {
 fn images_vblk_cannot_write_safely_are_refused_for_writing() {
     let dir = scratch();
     let d = dir.path();
-    tool(
-        d,
-        "qemu-img",
-        &[
-            "create",
-            "-f",
-            "qcow2",
-            "-o",
-            "refcount_bits=8",
-            "r8.qcow2",
-            "1M",
-        ],
-    );
+    common::create_qcow2(d, "r8.qcow2", "refcount_bits=8", "1M");
     let e = refusal(&d.join("r8.qcow2"), &options(&[], CacheMode::Writeback));
     assert!(
         e.contains("8 bits") && e.contains("refcount_bits=16"),
@@ -339,19 +327,7 @@ fn images_vblk_cannot_write_safely_are_refused_for_writing() {
 fn the_refcount_table_grows_when_the_file_outgrows_it() {
     let dir = scratch();
     let d = dir.path();
-    tool(
-        d,
-        "qemu-img",
-        &[
-            "create",
-            "-f",
-            "qcow2",
-            "-o",
-            "cluster_size=512",
-            "g.qcow2",
-            "64M",
-        ],
-    );
+    common::create_qcow2(d, "g.qcow2", "cluster_size=512", "64M");
     let path = d.join("g.qcow2");
     let header = |p: &Path| {
         let b = fs::read(p).unwrap();

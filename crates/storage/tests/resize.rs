@@ -37,19 +37,7 @@ fn a_served_qcow2_image_grows_inside_and_past_its_l1_table() {
     let dir = scratch();
     let d = dir.path();
     // 512-byte clusters: an L2 table maps 32 KiB, the one-cluster L1 table 2 MiB.
-    tool(
-        d,
-        "qemu-img",
-        &[
-            "create",
-            "-f",
-            "qcow2",
-            "-o",
-            "cluster_size=512",
-            "g.qcow2",
-            "1M",
-        ],
-    );
+    common::create_qcow2(d, "g.qcow2", "cluster_size=512", "1M");
     let path = d.join("g.qcow2");
     let b = qcow2(&path, false);
     let mut e = engine(&b, EngineKind::IoUring, 16);

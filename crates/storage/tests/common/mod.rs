@@ -328,6 +328,15 @@ pub fn tool(dir: &Path, program: &str, args: &[&str]) {
 }
 
 /// Options opening a qcow2 image over the backing chain `backing` (in order).
+/// `qemu-img create -f qcow2 -o OPTIONS NAME SIZE` in `dir`.
+pub fn create_qcow2(dir: &Path, name: &str, options: &str, size: &str) {
+    tool(
+        dir,
+        "qemu-img",
+        &["create", "-f", "qcow2", "-o", options, name, size],
+    );
+}
+
 pub fn qcow2_options(
     backing: &[&Path],
     cache: CacheMode,
