@@ -368,3 +368,75 @@ fn the_refcount_table_grows_when_the_file_outgrows_it() {
     check_clean(d, "g.qcow2");
     assert!(raw_of(d, "g.qcow2") == shadow, "qemu-img reads other bytes");
 }
+
+/// Zero clusters that keep a cluster of their own (QEMU makes them for a write-zeroes
+/// without unmap over an allocated cluster) are written where they are, as QEMU writes
+/// them: no cluster is allocated, the file does not grow, and the bytes around a small
+/// write read as zeroes although the cluster still holds its old bytes. Before, each
+/// first write took a new cluster and gave the old one back.
+#[test]
+fn zero_clusters_with_a_cluster_of_their_own_are_written_in_place() {
+    let dir = scratch();
+    let d = dir.path();
+    common::create_qcow2(d, "z.qcow2", "cluster_size=65536", "8M");
+    for cmd in ["write -P 0xee 0 64k", "write -z 0 64k"] {
+        tool(d, "qemu-io", &["-f", "qcow2", "-c", cmd, "z.qcow2"]);
+    }
+    let map = || -> serde_json::Value {
+        let out = Command::new("qemu-img")
+            .args(["map", "--output=json", "z.qcow2"])
+            .current_dir(d)
+            .output()
+            .expect("qemu-img (qemu-utils)");
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let before = map();
+    let host = before[0]["offset"].as_u64();
+    assert!(
+        host.is_some() && before[0]["zero"] == true,
+        "not a zero cluster with a cluster of its own: {before}"
+    );
+    let path = d.join("z.qcow2");
+    let size_before = fs::metadata(&path).unwrap().len();
+    let backend = Arc::new(
+        Backend::open(
+            &DiskSpec::File(path.clone()),
+            &options(&[], CacheMode::None),
+        )
+        .unwrap(),
+    );
+    let mut e = engine(&backend, EngineKind::IoUring, 8);
+    common::write(&mut *e, 4096, &[0x5a; 4096], &[4096], 0, false).unwrap();
+    let mut want = vec![0u8; 65536];
+    want[4096..8192].fill(0x5a);
+    let got = common::read(&mut *e, 0, &[65536], 0).unwrap();
+    if let Some(at) = got.iter().zip(&want).position(|(a, b)| a != b) {
+        panic!(
+            "the cluster reads {:#x} at byte {at}, want {:#x}",
+            got[at], want[at]
+        );
+    }
+    let stats = backend.qcow2().unwrap().stats();
+    assert_eq!(
+        stats.clusters_allocated, 0,
+        "a cluster was allocated: {stats:?}"
+    );
+    drop(e);
+    drop(backend);
+    assert_eq!(
+        fs::metadata(&path).unwrap().len(),
+        size_before,
+        "the file grew"
+    );
+    check_clean(d, "z.qcow2");
+    let mut all = vec![0u8; 8 << 20];
+    all[4096..8192].fill(0x5a);
+    assert!(raw_of(d, "z.qcow2") == all, "qemu-img reads other bytes");
+    let after = map();
+    assert_eq!(
+        after[0]["offset"].as_u64(),
+        host,
+        "the cluster moved: {after}"
+    );
+    assert_eq!(after[0]["zero"], false, "{after}");
+}

@@ -37,6 +37,7 @@ use super::owner::Owner;
 use super::refcount::Refcounts;
 use super::table::Entry;
 use crate::backend::Backend;
+use crate::bounce::AlignedBuf;
 use crate::engine::{Engine, Op};
 
 /// How many bytes of clusters are counted at once, ahead of their use, at first: a
@@ -47,6 +48,12 @@ const MAX_BATCH_BYTES: u64 = 256 << 20;
 
 /// The most L2 bytes written in one write.
 const MAX_RUN: usize = 1 << 20;
+
+/// The most L2 writes in flight at once (a batch of 64 jobs changes at most 128 slices).
+const SLICE_DEPTH: u32 = 64;
+
+/// Where each run of L2 entries starts in the staging buffer: a multiple of this.
+const STAGING_ALIGN: usize = 4096;
 
 /// Mappings kept in memory before they are written back regardless of time.
 const MAX_PENDING: usize = 16384;
@@ -68,8 +75,17 @@ pub(crate) struct Writer {
     dirty: BTreeSet<u64>,
     /// A copy-on-write's bytes were written in this batch: synced before its mapping.
     sync_first: bool,
-    /// L2 entries on their way to the file (kept for its capacity).
+    /// L2 entries on their way to the file (kept for its capacity), and where each run
+    /// of them goes: (file offset, start in `l2buf`, length).
     l2buf: Vec<u8>,
+    l2runs: Vec<(u64, usize, usize)>,
+    /// The runs, each at a 4 KiB boundary (O_DIRECT's memory alignment at most), for
+    /// `slice_io`; grown as needed.
+    staging: Option<(AlignedBuf, usize)>,
+    /// An io_uring engine on the image file: a batch's changed slices are written
+    /// together, one device round trip rather than one per slice (random allocations
+    /// change a different slice each). None if it could not be set up: then one by one.
+    slice_io: Option<Box<dyn Engine>>,
     since: Option<Instant>,
     /// A `sync` engine on the backing file, for copy-on-write.
     backing: Option<Box<dyn Engine>>,
@@ -108,6 +124,15 @@ impl Writer {
             dirty: BTreeSet::new(),
             sync_first: false,
             l2buf: Vec::new(),
+            l2runs: Vec::new(),
+            staging: None,
+            slice_io: match container.engine(crate::EngineKind::IoUring, SLICE_DEPTH) {
+                Ok(e) => Some(e),
+                Err(e) => {
+                    log::warn!("qcow2: no io_uring for the metadata writes ({e}): one at a time");
+                    None
+                }
+            },
             since: None,
             backing,
             backing_size,
@@ -143,6 +168,94 @@ impl Writer {
         let first = r[start];
         self.reserved.drain(start..start + n);
         Some(first)
+    }
+
+    /// Write the runs `write_slices` gathered: together through `slice_io`, or one by
+    /// one through `src` without it. Returns once all are in the file (or one failed).
+    fn write_runs(&mut self, src: &FileIo<'_>) -> io::Result<()> {
+        let Some(engine) = self.slice_io.as_mut() else {
+            for &(at, start, len) in &self.l2runs {
+                src.write_all_at(&self.l2buf[start..start + len], at)?;
+            }
+            return Ok(());
+        };
+        let need: usize = self
+            .l2runs
+            .iter()
+            .map(|r| r.2.next_multiple_of(STAGING_ALIGN))
+            .sum();
+        if self.staging.as_ref().is_none_or(|(_, len)| *len < need) {
+            self.staging = Some((AlignedBuf::new(need, STAGING_ALIGN)?, need));
+        }
+        let Some((buf, _)) = self.staging.as_ref() else {
+            return Err(eio());
+        };
+        let base = buf.as_mut_ptr();
+        let mut iovs: Vec<libc::iovec> = Vec::with_capacity(self.l2runs.len());
+        let mut off = 0usize;
+        for &(_, start, len) in &self.l2runs {
+            // SAFETY: [off, off + len) lies inside the `need` bytes of the buffer, which
+            // nothing else uses while the owner runs this.
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.l2buf.as_ptr().add(start), base.add(off), len)
+            };
+            iovs.push(libc::iovec {
+                // SAFETY: as above.
+                iov_base: unsafe { base.add(off) }.cast(),
+                iov_len: len,
+            });
+            off += len.next_multiple_of(STAGING_ALIGN);
+        }
+        let mut result = Ok(());
+        let mut next = 0usize;
+        let mut out = 0usize;
+        let runs = &self.l2runs;
+        let failed = (|| -> io::Result<()> {
+            while next < iovs.len() || out > 0 {
+                while next < iovs.len() && out < SLICE_DEPTH as usize {
+                    let op = Op::Write {
+                        offset: runs[next].0,
+                        iov: &iovs[next],
+                        iovcnt: 1,
+                        durable: false,
+                    };
+                    // SAFETY: `iovs` and the staging buffer they point into are neither
+                    // changed nor dropped while a write is out: this loop ends when none
+                    // is, and on an error the engine is dropped (which waits for them)
+                    // before they are.
+                    if unsafe { engine.push(next as u64, op) }.is_err() {
+                        break;
+                    }
+                    next += 1;
+                    out += 1;
+                }
+                engine.submit()?;
+                let mut done = 0;
+                engine.reap(&mut |c| {
+                    done += 1;
+                    let want = iovs.get(c.token as usize).map_or(0, |v| v.iov_len as u64);
+                    match c.result {
+                        Ok(n) if n == want => {}
+                        Ok(_) => result = Err(eio()),
+                        Err(e) => result = Err(e),
+                    }
+                });
+                out -= done;
+                if done == 0 && out > 0 {
+                    engine.wait()?;
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = failed {
+            // Writes may still be out: the engine waits for them as it goes.
+            log::error!(
+                "qcow2: the metadata writes' io_uring failed ({e}): one at a time from now on"
+            );
+            self.slice_io = None;
+            return Err(e);
+        }
+        result
     }
 
     /// Whether anything waits to be written back.
@@ -323,6 +436,26 @@ impl Owner {
                 fill(buf, from);
                 src.write_all_at(buf, host + in_c)?;
                 return Ok(());
+            }
+        }
+        // A zero cluster that keeps a cluster of its own (a write-zeroes without unmap
+        // over an allocated cluster makes them) is written where it is, as QEMU does, not
+        // given a new one: all of it (zeroes around the new bytes: it reads as zeroes,
+        // whatever the cluster holds), durable before the mapping that makes it data.
+        if let Mapping::Zero { host: Some(h) } = old {
+            let file_size = self.meta.file_size();
+            let w = self.writer.as_mut().ok_or_else(eio)?;
+            if w.in_place(src, h, bits, file_size)? {
+                self.cluster.fill(0);
+                fill(&mut self.cluster[in_c as usize..][..len as usize], from);
+                src.write_all_at(&self.cluster, h)?;
+                self.writer.as_mut().ok_or_else(eio)?.sync_first = true;
+                // Its own cluster stays: nothing is freed.
+                let data = Mapping::Data {
+                    host: h,
+                    copied: true,
+                };
+                return self.remap(gc, data, Mapping::Unallocated);
             }
         }
         // A cluster that reads as zeroes (unmapped with nothing below it, or a zero
@@ -589,15 +722,18 @@ impl Owner {
         let n = meta.slice_clusters();
         let run = &mut w.l2buf;
         run.clear();
+        w.l2runs.clear();
         let mut run_at = 0u64;
+        let mut run_start = 0usize;
         for &key in &w.dirty {
             let table = meta.l1_entry(key / per_table).ok_or_else(eio)?;
             let at = table + (key % per_table) * 8;
-            if !run.is_empty() && (run_at + run.len() as u64 != at || run.len() >= MAX_RUN) {
-                src.write_all_at(run, run_at)?;
-                run.clear();
+            let len = run.len() - run_start;
+            if len > 0 && (run_at + len as u64 != at || len >= MAX_RUN) {
+                w.l2runs.push((run_at, run_start, len));
+                run_start = run.len();
             }
-            if run.is_empty() {
+            if run.len() == run_start {
                 run_at = at;
             }
             // A cached slice may have been evicted and read again from the file since
@@ -618,10 +754,10 @@ impl Owner {
                 }
             }
         }
-        if !run.is_empty() {
-            src.write_all_at(run, run_at)?;
+        if run.len() > run_start {
+            w.l2runs.push((run_at, run_start, run.len() - run_start));
         }
-        Ok(())
+        w.write_runs(src)
     }
 
     /// A discard (`discard`) or write-zeroes job over `[offset, offset + len)`.
