@@ -259,7 +259,7 @@ pub fn image_of(b: &storage::Backend) -> Value {
         "format": "qcow2",
         "version": h.version,
         "cluster_size": h.cluster_size(),
-        "virtual_size": h.size,
+        "virtual_size": img.size(),
         "file_size": st.file_size,
         "read_only": !st.writable,
         "clusters_allocated": st.clusters_allocated,

@@ -217,6 +217,14 @@ check same-bytes cmp /tmp/x /tmp/y
         "read-past-old-end",
         "same-bytes",
     ]);
+    // `vblk stats` gives the image's size now, not the one it was opened with.
+    let v = support::cli::stats(&ctl);
+    let image = if v["image"].is_null() {
+        &v["disks"][0]["image"]
+    } else {
+        &v["image"]
+    };
+    assert_eq!(image["virtual_size"], 128 << 20, "{v}");
     let log = d.log_text();
     assert!(log.contains("L1 table moved"), "{log}");
     assert!(

@@ -195,7 +195,7 @@ impl Image {
         self.owner.as_ref().is_some_and(|h| !h.is_finished())
     }
 
-    /// The image's header.
+    /// The image's header as it was opened (the virtual size since: [`Image::size`]).
     pub fn header(&self) -> &Header {
         &self.header
     }
