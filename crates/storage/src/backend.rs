@@ -395,6 +395,11 @@ impl Backend {
                 why: "the disk is served read-only".into(),
             });
         }
+        if self.holding() == crate::Holding::Inactive {
+            return Err(Error::ResizeRefused {
+                why: "the disk is another daemon's to write now (a live migration's destination before it starts, or its source after)".into(),
+            });
+        }
         let block = u64::from(self.logical_block_size);
         if size == 0 || !size.is_multiple_of(block) {
             return Err(Error::ResizeRefused {
@@ -407,6 +412,21 @@ impl Backend {
             if size < old {
                 return Err(refuse(format!(
                     "{size} bytes is smaller than its {old} bytes: vblk grows qcow2 images only (shrink one nobody serves with `qemu-img resize --shrink`)"
+                )));
+            }
+            // The new space must read as zeroes: past the old end, an unallocated cluster
+            // reads the backing file, and the old last cluster's tail was never the
+            // guest's. QEMU writes zeroes there; vblk does not yet, so it refuses.
+            let backing = image.backing().map_or(0, |(b, _)| b.size());
+            if size > old && backing > old {
+                return Err(refuse(format!(
+                    "its backing file ({backing} bytes) is larger than the image ({old} bytes): the new space would show the backing file's bytes; grow it with `qemu-img resize` while nobody serves it"
+                )));
+            }
+            if size > old && !old.is_multiple_of(image.header().cluster_size()) {
+                return Err(refuse(format!(
+                    "its size ({old} bytes) is not a whole number of its {}-byte clusters; grow it with `qemu-img resize` while nobody serves it",
+                    image.header().cluster_size()
                 )));
             }
             let l1 = size.div_ceil(image.header().l2_entries() * image.header().cluster_size()) * 8;

@@ -137,3 +137,20 @@ fn a_qcow2_image_goes_to_a_migration_destination_and_back_with_nothing_lost_or_l
 fn the_same_with_o_direct() {
     handoff(CacheMode::None);
 }
+
+/// Handing a qcow2 image over goes with its locks: a destination that would take none
+/// (`--incoming` with locking off) is refused at open, as it could neither wait for the
+/// source to let go nor know when it did.
+#[test]
+fn a_qcow2_destination_without_image_locks_is_refused() {
+    let dir = scratch();
+    let d = dir.path();
+    common::create_qcow2(d, "m.qcow2", "cluster_size=65536", "8M");
+    let mut o: OpenOptions = common::qcow2_options(&[], CacheMode::Writeback, false);
+    o.image.incoming = true;
+    o.image.lock = vblk_storage::ImageLock::Off;
+    let e = Backend::open(&DiskSpec::File(d.join("m.qcow2")), &o)
+        .expect_err("refused")
+        .to_string();
+    assert!(e.contains("--incoming needs locking on"), "{e}");
+}

@@ -132,3 +132,47 @@ fn a_raw_file_grows_and_shrinks_only_when_allowed() {
     assert_eq!(fs::metadata(&path).unwrap().len(), 1 << 20);
     assert_eq!(b.size(), 1 << 20);
 }
+
+/// What growing a qcow2 refuses, each with its reason: a backing file larger than the
+/// image (the new space would show its bytes: QEMU writes zeroes there, vblk does not),
+/// a size that is not whole clusters (the old last cluster's tail was never the
+/// guest's). And a raw file opened inactive (a migration's destination) is not resized:
+/// the other daemon still owns it.
+#[test]
+fn growing_refuses_what_would_show_bytes_the_guest_never_wrote() {
+    let dir = scratch();
+    let d = dir.path();
+    tool(d, "qemu-img", &["create", "-f", "raw", "base.raw", "2M"]);
+    tool(
+        d,
+        "qemu-img",
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.raw",
+            "-F",
+            "raw",
+            "top.qcow2",
+            "1M",
+        ],
+    );
+    let o = common::qcow2_options(&[&d.join("base.raw")], CacheMode::Writeback, false);
+    let b = Backend::open(&DiskSpec::File(d.join("top.qcow2")), &o).unwrap();
+    let e = refused(&b, 4 << 20, false);
+    assert!(e.contains("backing file") && e.contains("larger"), "{e}");
+
+    common::create_qcow2(d, "odd.qcow2", "cluster_size=65536", "100K");
+    let b = qcow2(&d.join("odd.qcow2"), false);
+    let e = refused(&b, 1 << 20, false);
+    assert!(e.contains("whole number"), "{e}");
+
+    let path = common::make_file(d, "r.img", 1 << 20, 5);
+    let mut o = OpenOptions::default();
+    o.image.incoming = true;
+    let b = Backend::open(&DiskSpec::File(path.clone()), &o).unwrap();
+    let e = refused(&b, 2 << 20, false);
+    assert!(e.contains("another daemon"), "{e}");
+    assert_eq!(fs::metadata(&path).unwrap().len(), 1 << 20);
+}

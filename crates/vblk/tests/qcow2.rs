@@ -302,16 +302,27 @@ check_fails write dd if=/dev/zero of=/dev/vda bs=4096 count=1 conv=fsync
     boot.assert_ok(&["read-only", "size", "md5", "md5-again", "write"]);
 }
 
+/// `qemu-img check`: its exit code and output. A daemon killed a moment ago may still
+/// hold the image's locks: its open file lives on until the kernel has finished the
+/// io_uring requests it had in flight. So a lock conflict is retried, for up to 10 s.
 fn qemu_img_check(d: &Path, image: &str) -> (i32, String) {
-    let out = Command::new("qemu-img")
-        .args(["check", image])
-        .current_dir(d)
-        .output()
-        .expect("qemu-img (qemu-utils)");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
-    )
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = Command::new("qemu-img")
+            .args(["check", image])
+            .current_dir(d)
+            .output()
+            .expect("qemu-img (qemu-utils)");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        if text.contains("Failed to get shared \"write\" lock")
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        }
+        return (out.status.code().unwrap_or(-1), text);
+    }
 }
 
 /// Block `i` of round `r`: 4 KiB, each byte saying which.

@@ -288,6 +288,11 @@ pub(crate) fn open(
     // A migration destination (`incoming`) reads no refcount and writes nothing until it
     // takes the image over (qcow2/handoff.rs): the source still writes it.
     let inactive = opts.image.incoming && !opts.read_only;
+    if inactive && opts.image.lock == crate::ImageLock::Off {
+        return Err(fail(
+            "a qcow2 image is handed from a migration's source to its destination together with its image locks: --incoming needs locking on (without --image-lock off)".into(),
+        ));
+    }
     let refs = if opts.read_only {
         None
     } else if container.kind() == crate::BackendKind::BlockDevice {

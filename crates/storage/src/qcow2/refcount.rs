@@ -351,11 +351,12 @@ impl Refcounts {
         fields[..8].copy_from_slice(&(start << bits).to_be_bytes());
         fields[8..].copy_from_slice(&(tc as u32).to_be_bytes());
         io.write_all_at(&fields, REFTABLE_FIELDS)?;
-        io.sync()?;
+        // The header may point at the new table from here on: so does the memory.
         let (old_offset, old_clusters) = (self.reftable_offset, old_len / per_cluster);
         self.reftable = table;
         self.reftable_offset = start << bits;
         self.metadata.extend(start..end);
+        io.sync()?;
         for c in (old_offset >> bits)..(old_offset >> bits) + old_clusters {
             self.set(io, c, 0)?;
         }

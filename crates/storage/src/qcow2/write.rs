@@ -54,6 +54,8 @@ const SLICE_DEPTH: u32 = 64;
 
 /// Where each run of L2 entries starts in the staging buffer: a multiple of this.
 const STAGING_ALIGN: usize = 4096;
+/// The largest staging buffer kept between batches.
+const MAX_KEPT_STAGING: usize = 4 << 20;
 
 /// Mappings kept in memory before they are written back regardless of time.
 const MAX_PENDING: usize = 16384;
@@ -171,7 +173,8 @@ impl Writer {
     }
 
     /// Write the runs `write_slices` gathered: together through `slice_io`, or one by
-    /// one through `src` without it. Returns once all are in the file (or one failed).
+    /// one through `src` without it (or after it failed: it is then given up). Returns
+    /// once all are in the file (or one failed).
     fn write_runs(&mut self, src: &FileIo<'_>) -> io::Result<()> {
         let Some(engine) = self.slice_io.as_mut() else {
             for &(at, start, len) in &self.l2runs {
@@ -224,6 +227,10 @@ impl Writer {
                     // is, and on an error the engine is dropped (which waits for them)
                     // before they are.
                     if unsafe { engine.push(next as u64, op) }.is_err() {
+                        if out == 0 {
+                            // Refused with nothing of ours out: it never will take it.
+                            return Err(eio());
+                        }
                         break;
                     }
                     next += 1;
@@ -242,20 +249,27 @@ impl Writer {
                 });
                 out -= done;
                 if done == 0 && out > 0 {
+                    // Submits again what the kernel refused for now (EAGAIN), too.
                     engine.wait()?;
                 }
             }
             Ok(())
         })();
-        if let Err(e) = failed {
-            // Writes may still be out: the engine waits for them as it goes.
+        // A large batch (a discard over much of a disk) does not keep its buffer.
+        if need > MAX_KEPT_STAGING {
+            self.staging = None;
+        }
+        if let Err(e) = failed.and(result) {
+            // Writes may still be out: the engine waits for them as it goes. Then all of
+            // them again, one at a time (writing a run twice is harmless); a device that
+            // fails them fails these too.
             log::error!(
-                "qcow2: the metadata writes' io_uring failed ({e}): one at a time from now on"
+                "qcow2: a metadata write through io_uring failed ({e}): one at a time from now on"
             );
             self.slice_io = None;
-            return Err(e);
+            return self.write_runs(src);
         }
-        result
+        Ok(())
     }
 
     /// Whether anything waits to be written back.
