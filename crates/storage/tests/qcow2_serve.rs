@@ -390,6 +390,9 @@ fn a_request_larger_than_the_translation_table_completes_in_parts() {
         let first = common::read(&mut *e, 0, &[len], 0).unwrap();
         common::write(&mut *e, 40 << 20, &written, &[len], 0, false).unwrap();
         let second = common::read(&mut *e, 40 << 20, &[len], 0).unwrap();
+        // Closed (its image locks released) before the answer: qemu-img comes next.
+        drop(e);
+        drop(b);
         let _ = tx.send((first, second));
     });
     let (got, back) = rx
