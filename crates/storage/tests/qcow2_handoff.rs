@@ -105,18 +105,7 @@ fn handoff(cache: CacheMode) {
     drop((ea, eb));
     drop((a, b));
 
-    let out = std::process::Command::new("qemu-img")
-        .args(["check", "disk.qcow2"])
-        .current_dir(d)
-        .output()
-        .expect("qemu-img (qemu-utils)");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("No errors were found"),
-        "qemu-img check: {:?}\n{text}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::check_clean(d, "disk.qcow2");
     tool(
         d,
         "qemu-img",

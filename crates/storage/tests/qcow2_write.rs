@@ -14,7 +14,7 @@ use std::sync::Arc;
 use vblk_storage::{Backend, CacheMode, DiskSpec, Engine, EngineKind, Op, OpenOptions};
 
 mod common;
-use common::{engine, run, run1, scratch, tool, Buf, Rng};
+use common::{check_clean, engine, run, run1, scratch, tool, Buf, Rng};
 
 fn options(backing: &[&Path], cache: CacheMode) -> OpenOptions {
     common::qcow2_options(backing, cache, false)
@@ -24,22 +24,6 @@ fn raw_of(d: &Path, image: &str) -> Vec<u8> {
     let _ = fs::remove_file(d.join("out.raw"));
     tool(d, "qemu-img", &["convert", "-O", "raw", image, "out.raw"]);
     fs::read(d.join("out.raw")).unwrap()
-}
-
-/// `qemu-img check` on the image: no errors, no leaks.
-fn check_clean(d: &Path, image: &str) {
-    let out = Command::new("qemu-img")
-        .args(["check", image])
-        .current_dir(d)
-        .output()
-        .expect("qemu-img (qemu-utils)");
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && text.contains("No errors were found"),
-        "qemu-img check {image}: {:?}\n{text}",
-        out.status
-    );
 }
 
 /// Random writes, write-zeroes and discards over `shadow`, in batches, each followed by

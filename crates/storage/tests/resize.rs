@@ -81,18 +81,7 @@ fn a_served_qcow2_image_grows_inside_and_past_its_l1_table() {
     drop(e);
     drop(b);
 
-    let out = std::process::Command::new("qemu-img")
-        .args(["check", "g.qcow2"])
-        .current_dir(d)
-        .output()
-        .expect("qemu-img (qemu-utils)");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("No errors were found"),
-        "qemu-img check: {:?}\n{text}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::check_clean(d, "g.qcow2");
     let info = std::process::Command::new("qemu-img")
         .args(["info", "--output=json", "g.qcow2"])
         .current_dir(d)

@@ -328,6 +328,22 @@ pub fn tool(dir: &Path, program: &str, args: &[&str]) {
 }
 
 /// Options opening a qcow2 image over the backing chain `backing` (in order).
+/// `qemu-img check` on the image: no errors, no leaks.
+pub fn check_clean(d: &Path, image: &str) {
+    let out = std::process::Command::new("qemu-img")
+        .args(["check", image])
+        .current_dir(d)
+        .output()
+        .expect("qemu-img (qemu-utils)");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && text.contains("No errors were found"),
+        "qemu-img check {image}: {:?}\n{text}",
+        out.status
+    );
+}
+
 /// `qemu-img create -f qcow2 -o OPTIONS NAME SIZE` in `dir`.
 pub fn create_qcow2(dir: &Path, name: &str, options: &str, size: &str) {
     tool(
