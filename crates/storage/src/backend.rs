@@ -414,15 +414,9 @@ impl Backend {
                     "{size} bytes is smaller than its {old} bytes: vblk grows qcow2 images only (shrink one nobody serves with `qemu-img resize --shrink`)"
                 )));
             }
-            // The new space must read as zeroes: past the old end, an unallocated cluster
-            // reads the backing file, and the old last cluster's tail was never the
-            // guest's. QEMU writes zeroes there; vblk does not yet, so it refuses.
-            let backing = image.backing().map_or(0, |(b, _)| b.size());
-            if size > old && backing > old {
-                return Err(refuse(format!(
-                    "its backing file ({backing} bytes) is larger than the image ({old} bytes): the new space would show the backing file's bytes; grow it with `qemu-img resize` while nobody serves it"
-                )));
-            }
+            // The new space must read as zeroes: the old last cluster's tail was never
+            // the guest's (QEMU zeroes it; vblk refuses), and over a backing file longer
+            // than the old size the owner makes zero clusters (qcow2/resize.rs).
             if size > old && !old.is_multiple_of(image.header().cluster_size()) {
                 return Err(refuse(format!(
                     "its size ({old} bytes) is not a whole number of its {}-byte clusters; grow it with `qemu-img resize` while nobody serves it",

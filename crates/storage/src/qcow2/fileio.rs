@@ -22,6 +22,9 @@ pub(crate) struct FileIo<'a> {
     buf: RefCell<Option<(AlignedBuf, usize)>>,
     /// The file's size, as far as this handle's writes and `grow_to` made it.
     end: Cell<u64>,
+    /// An `fdatasync` through this handle failed (whoever asked for it: the writer, the
+    /// refcounts' own ordering syncs, a hand-over).
+    sync_failed: Cell<bool>,
 }
 
 impl<'a> FileIo<'a> {
@@ -32,6 +35,7 @@ impl<'a> FileIo<'a> {
             mem: mem.max(1),
             buf: RefCell::new(None),
             end: Cell::new(file.metadata().map_or(0, |m| m.len())),
+            sync_failed: Cell::new(false),
         }
     }
 
@@ -166,7 +170,17 @@ impl<'a> FileIo<'a> {
 
     /// Make everything written durable.
     pub(crate) fn sync(&self) -> io::Result<()> {
-        self.file.sync_data()
+        let r = self.file.sync_data();
+        if r.is_err() {
+            self.sync_failed.set(true);
+        }
+        r
+    }
+
+    /// Whether an `fdatasync` through this handle ever failed: the kernel may have
+    /// dropped the writes it was about, and a later one would not say so.
+    pub(crate) fn sync_failed(&self) -> bool {
+        self.sync_failed.get()
     }
 }
 

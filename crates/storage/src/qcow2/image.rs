@@ -346,6 +346,7 @@ pub(crate) fn open(
         counters: Arc::default(),
         outbox: Vec::with_capacity(64),
         inactive,
+        failures: (0, 0, None),
     };
     let counters = Arc::clone(&owner.counters);
     let c = Arc::clone(&container);

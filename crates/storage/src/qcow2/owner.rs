@@ -13,7 +13,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use miniz_oxide::inflate::core::{decompress, inflate_flags, DecompressorOxide};
 
@@ -163,7 +163,13 @@ pub(crate) struct Owner {
     /// Another daemon may write the image (a migration's other end): no write, discard
     /// or write-zeroes is done until the image is taken over (qcow2/handoff.rs).
     pub(crate) inactive: bool,
+    /// Failed requests logged in this second, those left unlogged, and when the second
+    /// began: a full file system fails every allocating write, one per cluster.
+    pub(crate) failures: (u32, u64, Option<Instant>),
 }
+
+/// The most failed requests logged per second; the others are counted in the next line.
+const FAILURES_LOGGED_PER_SECOND: u32 = 8;
 
 /// The most jobs taken at one wake-up of the owner.
 const BATCH_JOBS: usize = 64;
@@ -193,6 +199,7 @@ impl Owner {
                 if let Err(e) = self.writeback(src) {
                     log::error!("{}: writing mappings back: {e}", self.name);
                 }
+                self.check_sync(src);
             }
             let Some(job) = job else { continue };
             // A batch: this job and those waiting behind it, answered together once the
@@ -227,6 +234,11 @@ impl Owner {
     }
 
     fn job(&mut self, src: &FileIo<'_>, job: Job, corrupt_logged: &mut bool) {
+        self.serve(src, job, corrupt_logged);
+        self.check_sync(src);
+    }
+
+    fn serve(&mut self, src: &FileIo<'_>, job: Job, corrupt_logged: &mut bool) {
         if self.inactive {
             if let Job::Write {
                 sub, offset, reply, ..
@@ -323,7 +335,22 @@ impl Owner {
         mapped: bool,
     ) {
         if let Err(e) = &result {
-            log::error!("{}: {what} guest offset {offset}: {e}", self.name);
+            let (logged, unlogged, since) = &mut self.failures;
+            if since.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                (*logged, *since) = (0, Some(Instant::now()));
+            }
+            if *logged < FAILURES_LOGGED_PER_SECOND {
+                *logged += 1;
+                let more = std::mem::take(unlogged);
+                let more = if more > 0 {
+                    format!(" ({more} more failed requests not logged before it)")
+                } else {
+                    String::new()
+                };
+                log::error!("{}: {what} guest offset {offset}: {e}{more}", self.name);
+            } else {
+                *unlogged += 1;
+            }
         }
         let a = Answer::Done {
             sub,

@@ -12,6 +12,13 @@
 //! 2. the header's L1 size and offset are changed in one 12-byte write, then its virtual
 //!    size, and made durable;
 //! 3. the old table's clusters are given back (refcount 0).
+//!
+//! The new space reads as zeroes, as QEMU makes it (`bdrv_co_truncate` asks for a zero
+//! write where the backing file is longer than the old size): over a backing file that
+//! reaches past the old end, its clusters are made zero clusters (version 3; zeroed
+//! clusters of their own in version 2), durably, before the header says the image is
+//! larger. The old size must be whole clusters (its last cluster's tail was never the
+//! guest's; `Backend::resize` refuses that).
 
 use std::io;
 
@@ -24,6 +31,14 @@ use super::owner::Owner;
 /// `QCowHeader`: `size` at 24, `l1_size` at 36, `l1_table_offset` at 40).
 const SIZE_FIELD: u64 = 24;
 const L1_FIELDS: u64 = 36;
+
+/// How often the run of clusters for a new L1 table starts again after a gap (each gap
+/// is a refcount table grown on the way, which doubles it).
+const MAX_RESTARTS: u32 = 8;
+
+/// The most clusters made zero clusters at once when the new space lies over a backing
+/// file.
+const ZERO_PIECE: u64 = 65536;
 
 fn refuse(why: String) -> io::Error {
     io::Error::other(why)
@@ -61,8 +76,32 @@ impl Owner {
                 entries * 8
             )));
         }
+        let backing = self.writer.as_ref().map_or(0, |w| w.backing_size());
+        if backing > h.size && !h.size.is_multiple_of(h.cluster_size()) {
+            return Err(refuse(format!(
+                "its size ({} bytes) is not a whole number of its {}-byte clusters, and its backing file is larger",
+                h.size,
+                h.cluster_size()
+            )));
+        }
         if entries > u64::from(h.l1_entries) {
             self.move_l1(src, &h, entries as u32)?;
+        }
+        if backing > h.size {
+            // Whole clusters: the tail past the new size is no one's to read. The owner
+            // looks past the old end from here on; the header says so only once the
+            // zeroes are durable (the guest sees the new size after that).
+            let end = size.min(backing).next_multiple_of(h.cluster_size());
+            self.meta.resized(size, None);
+            if let Err(e) = self.zero_new_space(src, h.size, end) {
+                self.meta.resized(h.size, None);
+                return Err(e);
+            }
+            log::info!(
+                "{}: the new space over the backing file ({} to {end}) reads zeroes",
+                self.name,
+                h.size
+            );
         }
         src.write_all_at(&size.to_be_bytes(), SIZE_FIELD)?;
         self.sync(src)?;
@@ -72,6 +111,20 @@ impl Owner {
             self.name,
             h.size
         );
+        Ok(())
+    }
+
+    /// Make guest bytes `[from, end)` (whole clusters) read zeroes, durably: zero
+    /// clusters over the backing file. In pieces of at most [`ZERO_PIECE`] clusters, each
+    /// made durable before the next, so that the mappings waiting for the file stay few.
+    fn zero_new_space(&mut self, src: &FileIo<'_>, from: u64, end: u64) -> io::Result<()> {
+        let piece = ZERO_PIECE << self.meta.header().cluster_bits;
+        let mut at = from;
+        while at < end {
+            let n = piece.min(end - at);
+            self.zero_job(src, at, n, true, false, true)?;
+            at += n;
+        }
         Ok(())
     }
 
@@ -91,18 +144,27 @@ impl Owner {
             .as_mut()
             .ok_or_else(|| refuse("read-only".into()))?;
         // Consecutive clusters: from those counted ahead of use (already counted and
-        // durable), else new ones past the end of the file, where nothing is in the way.
+        // durable), else new ones past the end of the file, where nothing is in the way
+        // but what reserving makes itself (a larger refcount table): the run starts
+        // again after it, and the clusters skipped stay free.
         let (first, counted) = match w.take_run(n) {
             Some(first) => (first, true),
             None => {
-                let first = w.refs.reserve(src)?;
-                for k in 1..n {
-                    if w.refs.reserve(src)? != first + k {
-                        return Err(refuse(
-                            "no room for the new L1 table in one piece at the end of the file"
-                                .into(),
-                        ));
+                let mut first = w.refs.reserve(src)?;
+                let (mut len, mut restarts) = (1, 0);
+                while len < n {
+                    let c = w.refs.reserve(src)?;
+                    if c == first + len {
+                        len += 1;
+                        continue;
                     }
+                    restarts += 1;
+                    if restarts > MAX_RESTARTS {
+                        return Err(refuse(format!(
+                            "no room for the new L1 table ({n} clusters) in one piece at the end of the file"
+                        )));
+                    }
+                    (first, len) = (c, 1);
                 }
                 (first, false)
             }

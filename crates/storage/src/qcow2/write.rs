@@ -160,6 +160,11 @@ impl Writer {
         self.since = None;
     }
 
+    /// The backing file's size (0 without one).
+    pub(crate) fn backing_size(&self) -> u64 {
+        self.backing_size
+    }
+
     /// `n` consecutive clusters from those counted ahead of use, if there is such a run;
     /// the first. They are counted already (refcount 1, durable).
     pub(crate) fn take_run(&mut self, n: u64) -> Option<u64> {
@@ -616,23 +621,45 @@ impl Owner {
         };
         w.last_batch = Some(Instant::now());
         let n = (w.batch_bytes >> bits).clamp(16, 65536);
+        let first = w.reserved.len();
         let mut end = 0;
+        let mut stopped = None;
         for _ in 0..n {
-            let c = match w.refs.reserve(src) {
-                Ok(c) => c,
-                // Out of room: what was counted is used first.
-                Err(_) if !w.reserved.is_empty() => break,
-                Err(e) => return Err(e),
-            };
-            w.refs.set(src, c, 1)?;
-            w.reserved.push_back(c);
-            end = end.max((c + 1) << bits);
+            // A failure (no room in the file system for a new refcount block, no free
+            // cluster): what was counted so far is used first.
+            let counted = w
+                .refs
+                .reserve(src)
+                .and_then(|c| w.refs.set(src, c, 1).map(|()| c));
+            match counted {
+                Ok(c) => {
+                    w.reserved.push_back(c);
+                    end = end.max((c + 1) << bits);
+                }
+                Err(e) => {
+                    stopped = Some(e);
+                    break;
+                }
+            }
         }
-        w.refs.flush(src)?;
-        src.grow_to(end)?;
-        self.grew(end);
-        self.sync(src)?;
+        if w.reserved.len() == first {
+            return Err(stopped.unwrap_or_else(eio));
+        }
+        let made = w
+            .refs
+            .flush(src)
+            .and_then(|()| src.grow_to(end))
+            .map(|()| self.grew(end))
+            .and_then(|()| self.sync(src));
         let w = self.writer.as_mut().ok_or_else(eio)?;
+        if let Err(e) = made {
+            // Not counted durably, nor is the file as long as they need: never used. Their
+            // counts are dropped again (a crash may leak them, never more).
+            for c in w.reserved.drain(first..) {
+                let _ = w.refs.set(src, c, 0);
+            }
+            return Err(e);
+        }
         w.reserved.pop_front().ok_or_else(eio)
     }
 
@@ -711,20 +738,39 @@ impl Owner {
         w.sync_first = false;
         w.dirty.clear();
         if let Err(e) = &r {
-            if !w.failed {
-                log::error!(
-                    "{}: writing L2 entries failed ({e}): from now on every write and flush fails (restart the daemon after `qemu-img check`)",
-                    self.name
-                );
-            }
-            w.failed = true;
-            // Clusters whose mappings may not be in the file are no longer written in
-            // place by the workers: their writes go to the owner, which fails them.
-            for &gc in w.pending_l2.keys() {
-                self.table.set(gc, Entry::Slow);
-            }
+            self.fail_for_good(&format!("writing L2 entries failed ({e})"));
         }
         r
+    }
+
+    /// No mapping is written from now on; every write, discard and flush fails (see
+    /// `Writer::failed`). Logged once, with `why`.
+    fn fail_for_good(&mut self, why: &str) {
+        let Some(w) = self.writer.as_mut() else {
+            return;
+        };
+        if !w.failed {
+            log::error!(
+                "{}: {why}: writes may be lost; from now on every write and flush fails (restart the daemon after `qemu-img check`)",
+                self.name
+            );
+        }
+        w.failed = true;
+        // Clusters whose mappings may not be in the file are no longer written in place
+        // by the workers: their writes go to the owner, which fails them.
+        for &gc in w.pending_l2.keys() {
+            self.table.set(gc, Entry::Slow);
+        }
+    }
+
+    /// After a job: if any `fdatasync` on the image failed during it (the refcounts sync
+    /// on their own to order a new block or table before what points at it), the writer
+    /// fails for good, as after a failed sync of its own. Without this a later sync
+    /// would succeed over the dropped writes and the daemon go on as if nothing was lost.
+    pub(crate) fn check_sync(&mut self, src: &FileIo<'_>) {
+        if src.sync_failed() && self.writer.as_ref().is_some_and(|w| !w.failed) {
+            self.fail_for_good("an fdatasync of the image failed");
+        }
     }
 
     fn write_slices(&mut self, src: &FileIo<'_>) -> io::Result<()> {
@@ -857,14 +903,8 @@ impl Owner {
     /// `fdatasync`; a failure is for good (see `Writer::failed`).
     pub(crate) fn sync(&mut self, src: &FileIo<'_>) -> io::Result<()> {
         let r = src.sync();
-        if let (Err(e), Some(w)) = (&r, self.writer.as_mut()) {
-            if !w.failed {
-                log::error!(
-                    "{}: fdatasync failed ({e}): writes may be lost; from now on every write and flush fails (restart the daemon after `qemu-img check`)",
-                    self.name
-                );
-            }
-            w.failed = true;
+        if let Err(e) = &r {
+            self.fail_for_good(&format!("fdatasync failed ({e})"));
         }
         r
     }
