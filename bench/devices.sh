@@ -36,6 +36,11 @@
 #                                       --read-only) vs vblk on the raw file vs
 #                                       qemu-storage-daemon's qcow2 driver, in its main
 #                                       loop and in an IOThread (both aio=io_uring)
+#   qcow2-write-qd1, qcow2-write-qd32   4 KiB random writes to the fully allocated qcow2
+#                                       (overwrites: no allocation), a copy per device,
+#                                       O_DIRECT: vblk (--format qcow2) vs vblk on a copy
+#                                       of the raw file vs qemu-storage-daemon's qcow2
+#                                       driver, in its main loop and in an IOThread
 #   qcow2-chain3-qd1, qcow2-chain3-qd32 the same file as the base of a chain of three
 #                                       qcow2 images, each holding a quarter of the disk
 #                                       (top: the first, then the second, the third; the
@@ -53,7 +58,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPEAT=${1:-3}
 RUNTIME=${2:-5}
-TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline qcow2-qd1 qcow2-qd32 qcow2-chain3-qd1 qcow2-chain3-qd32 qcow2-alloc-4k qcow2-alloc-64k"}
+TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline qcow2-qd1 qcow2-qd32 qcow2-write-qd1 qcow2-write-qd32 qcow2-chain3-qd1 qcow2-chain3-qd32 qcow2-alloc-4k qcow2-alloc-64k"}
 cargo build --release -q -p vblk
 V=$PWD/target/release/vblk
 D=$(mktemp -d /var/tmp/vblk-devices.XXXXXX)
@@ -162,6 +167,31 @@ if want qcow2-qd1 || want qcow2-qd32; then
   want qcow2-qd1 && bench "qcow2-qd1: fully allocated qcow2 on an O_DIRECT file, QD1" --iodepth=1 --compare "$QCOW"
   want qcow2-qd32 && bench "qcow2-qd32: fully allocated qcow2 on an O_DIRECT file, QD32" --iodepth=32 --compare "$QCOW"
   stop_all
+fi
+
+if want qcow2-write-qd1 || want qcow2-write-qd32; then
+  # A copy per device: each writes its own (a qcow2 is never written by two daemons).
+  qemu-img convert -O qcow2 "$IMG" "$D/w-vblk.qcow2"
+  for v in w-qsd w-qsd-iothread; do cp "$D/w-vblk.qcow2" "$D/$v.qcow2"; done
+  cp "$IMG" "$D/w-raw.img"
+  sync
+  vblk vblk-qcow2 "$D/w-vblk.qcow2" --cache none --format qcow2
+  vblk vblk-raw "$D/w-raw.img" --cache none
+  for v in w-qsd w-qsd-iothread; do
+    io=""
+    [ "$v" = w-qsd-iothread ] && io=iothread
+    qsd "qsd-qcow2${io:+-iothread}" "driver=qcow2,file.driver=file,file.filename=$D/$v.qcow2,file.cache.direct=on,file.aio=io_uring" $io
+  done
+  WRITE="socket=$(sock vblk-qcow2),$(sock vblk-raw),$(sock qsd-qcow2),$(sock qsd-qcow2-iothread)"
+  for qd in 1 32; do
+    want "qcow2-write-qd$qd" || continue
+    record "qcow2-write-qd$qd" "random 4k writes to a fully allocated qcow2 (overwrites), O_DIRECT, QD$qd" \
+      taskset -c 0 "$V" --log-level warn bench --name "qcow2-write-qd$qd" --bs=4k \
+      --rw=randwrite --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g --iodepth="$qd" \
+      --repeat "$REPEAT" --compare "$WRITE"
+  done
+  stop_all
+  rm -f "$D"/w-*.qcow2 "$D/w-raw.img"
 fi
 
 if want qcow2-chain3-qd1 || want qcow2-chain3-qd32; then

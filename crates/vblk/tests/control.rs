@@ -144,7 +144,8 @@ fn stats_show_what_a_driver_did() {
 }
 
 /// A worker that sleeps between requests measures what a sleep costs it and bounds its
-/// polling window by it (poll.rs); `--poll-us 0` neither spins nor measures.
+/// polling window by it (poll.rs); `--poll-us 0` never measures and spins no longer than
+/// its grace (4 µs).
 #[test]
 fn a_worker_that_sleeps_measures_the_cost_and_narrows_its_window() {
     within(LIMIT, "the test", || {
@@ -172,8 +173,8 @@ fn a_worker_that_sleeps_measures_the_cost_and_narrows_its_window() {
             let n = |f: &str| w[f].as_u64().unwrap();
             assert!(n("sleeps") >= 48, "{w}");
             if ceiling_ns == 0 {
-                assert_eq!((n("sleep_cost_ns"), n("poll_window_ns")), (0, 0), "{w}");
-                assert_eq!(n("poll_hits"), 0, "{w}");
+                assert_eq!(n("sleep_cost_ns"), 0, "{w}");
+                assert!(n("poll_window_ns") <= 4_000, "at most the grace: {w}");
             } else {
                 assert!(n("sleep_cost_ns") > 0, "a sleep was measured: {w}");
                 // Windows that keep running out do not pay: then one idle period in
