@@ -417,6 +417,12 @@ impl Backend {
             // The new space must read as zeroes: the old last cluster's tail was never
             // the guest's (QEMU zeroes it; vblk refuses), and over a backing file longer
             // than the old size the owner makes zero clusters (qcow2/resize.rs).
+            let backing = image.backing().map_or(0, |(b, _)| b.size());
+            if size > old && backing > old && image.header().version < 3 {
+                return Err(refuse(format!(
+                    "its backing file ({backing} bytes) is larger than it ({old} bytes), and a version 2 image has no zero clusters to hide the backing file's bytes in the new space (QEMU refuses this too); `qemu-img amend -f qcow2 -o compat=1.1` makes it version 3"
+                )));
+            }
             if size > old && !old.is_multiple_of(image.header().cluster_size()) {
                 return Err(refuse(format!(
                     "its size ({old} bytes) is not a whole number of its {}-byte clusters; grow it with `qemu-img resize` while nobody serves it",

@@ -238,6 +238,14 @@ fn full_file_system(from_the_start: bool) {
         (next == 0) == from_the_start,
         "{next} writes fitted (full from the start: {from_the_start})"
     );
+    // The file is as long as the image thinks (clusters are handed out only over a file
+    // grown to hold them, even when the write that would have grown it failed).
+    let known = backend.qcow2().unwrap().stats().file_size;
+    let len = fs::metadata(t.dir.join("img.qcow2")).unwrap().len();
+    assert!(
+        len >= known,
+        "the file is {len} bytes, the image counts on {known}: clusters past its end were handed out"
+    );
     // The failed write may have landed in part: each of its clusters reads as before
     // (zeroes) or as written, never a mix.
     let got = common::read(&mut *e, (next * chunk) as u64, &[chunk], 0).unwrap();
@@ -263,6 +271,24 @@ fn full_file_system(from_the_start: bool) {
     drop(e);
     drop(backend);
     common::check_no_corruption(&t.dir, "img.qcow2");
+    // Every mapped cluster lies inside the file (the file was grown over every cluster
+    // handed out, even when a write that would have grown it failed).
+    let len = fs::metadata(t.dir.join("img.qcow2")).unwrap().len();
+    let map = Command::new("qemu-img")
+        .args(["map", "--output=json", "img.qcow2"])
+        .current_dir(&t.dir)
+        .output()
+        .expect("qemu-img (qemu-utils)");
+    let map: serde_json::Value = serde_json::from_slice(&map.stdout).unwrap();
+    for run in map.as_array().unwrap() {
+        if let (Some(host), Some(n)) = (run["offset"].as_u64(), run["length"].as_u64()) {
+            assert!(
+                host + n <= len,
+                "guest bytes mapped at {host}..{} past the end of the {len}-byte file: {run}",
+                host + n
+            );
+        }
+    }
     // out.raw may not fit beside the image on the tmpfs: it goes to the scratch dir.
     let raw = dir.path().join("out.raw");
     common::tool(

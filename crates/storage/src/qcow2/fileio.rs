@@ -125,9 +125,16 @@ impl<'a> FileIo<'a> {
         (start, (end - start) as usize)
     }
 
-    /// Write all of `data` at `offset`.
+    /// Write all of `data` at `offset`. The file's recorded size grows only once the
+    /// write succeeded: a write that failed (a full file system) must not make
+    /// [`FileIo::grow_to`] skip the growth it was asked for.
     pub(crate) fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        self.write_unrecorded(data, offset)?;
         self.end.set(self.end.get().max(offset + data.len() as u64));
+        Ok(())
+    }
+
+    fn write_unrecorded(&self, data: &[u8], offset: u64) -> io::Result<()> {
         if self.align <= 1 {
             return self.file.write_all_at(data, offset);
         }

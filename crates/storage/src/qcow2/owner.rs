@@ -231,6 +231,13 @@ impl Owner {
         if let Err(e) = closed {
             log::error!("{}: closing the image: {e}", self.name);
         }
+        if self.failures.1 > 0 {
+            log::error!(
+                "{}: {} more failed requests were not logged",
+                self.name,
+                self.failures.1
+            );
+        }
     }
 
     fn job(&mut self, src: &FileIo<'_>, job: Job, corrupt_logged: &mut bool) {

@@ -177,7 +177,12 @@ impl Refcounts {
         }
         let (b, counts, dirty) = self.cache.remove(0);
         if dirty {
-            self.write_block(io, b, &counts)?;
+            if let Err(e) = self.write_block(io, b, &counts) {
+                // Kept, still changed: a count is never dropped because its block could
+                // not be written (the cache holds one block more until it can).
+                self.cache.insert(0, (b, counts, true));
+                return Err(e);
+            }
         }
         Ok(())
     }

@@ -15,10 +15,10 @@
 //!
 //! The new space reads as zeroes, as QEMU makes it (`bdrv_co_truncate` asks for a zero
 //! write where the backing file is longer than the old size): over a backing file that
-//! reaches past the old end, its clusters are made zero clusters (version 3; zeroed
-//! clusters of their own in version 2), durably, before the header says the image is
-//! larger. The old size must be whole clusters (its last cluster's tail was never the
-//! guest's; `Backend::resize` refuses that).
+//! reaches past the old end, its clusters are made zero clusters, durably, before the
+//! header says the image is larger. A version 2 image has no zero clusters, and QEMU
+//! refuses to grow it there; so does vblk. The old size must be whole clusters (its last
+//! cluster's tail was never the guest's; `Backend::resize` refuses that).
 
 use std::io;
 
@@ -77,26 +77,47 @@ impl Owner {
             )));
         }
         let backing = self.writer.as_ref().map_or(0, |w| w.backing_size());
-        if backing > h.size && !h.size.is_multiple_of(h.cluster_size()) {
+        let over_backing = backing > h.size;
+        if over_backing && !h.size.is_multiple_of(h.cluster_size()) {
             return Err(refuse(format!(
                 "its size ({} bytes) is not a whole number of its {}-byte clusters, and its backing file is larger",
                 h.size,
                 h.cluster_size()
             )));
         }
+        if over_backing && h.version < 3 {
+            return Err(refuse(format!(
+                "its backing file ({backing} bytes) is larger than it ({} bytes), and a version 2 image has no zero clusters to hide the backing file's bytes in the new space (QEMU refuses this too); `qemu-img amend -f qcow2 -o compat=1.1` makes it version 3",
+                h.size
+            )));
+        }
         if entries > u64::from(h.l1_entries) {
             self.move_l1(src, &h, entries as u32)?;
         }
-        if backing > h.size {
-            // Whole clusters: the tail past the new size is no one's to read. The owner
-            // looks past the old end from here on; the header says so only once the
-            // zeroes are durable (the guest sees the new size after that).
+        // The owner looks past the old end from here on (to make zero clusters there);
+        // the header says so once they are durable, and the guest sees the new size only
+        // after that. Any failure puts the old size back.
+        self.meta.resized(size, None);
+        let grown = self.write_size(src, &h, size, over_backing.then_some(backing));
+        if grown.is_err() {
+            self.meta.resized(h.size, None);
+        }
+        grown
+    }
+
+    /// The rest of [`Owner::grow`]: the new space over a backing file made zero clusters
+    /// (whole clusters: the tail past the new size is no one's to read), then the header's
+    /// size, durably.
+    fn write_size(
+        &mut self,
+        src: &FileIo<'_>,
+        h: &super::header::Header,
+        size: u64,
+        backing: Option<u64>,
+    ) -> io::Result<()> {
+        if let Some(backing) = backing {
             let end = size.min(backing).next_multiple_of(h.cluster_size());
-            self.meta.resized(size, None);
-            if let Err(e) = self.zero_new_space(src, h.size, end) {
-                self.meta.resized(h.size, None);
-                return Err(e);
-            }
+            self.zero_new_space(src, h.size, end)?;
             log::info!(
                 "{}: the new space over the backing file ({} to {end}) reads zeroes",
                 self.name,
@@ -105,7 +126,6 @@ impl Owner {
         }
         src.write_all_at(&size.to_be_bytes(), SIZE_FIELD)?;
         self.sync(src)?;
-        self.meta.resized(size, None);
         log::info!(
             "{}: grown from {} to {size} bytes (virtual)",
             self.name,
@@ -115,8 +135,9 @@ impl Owner {
     }
 
     /// Make guest bytes `[from, end)` (whole clusters) read zeroes, durably: zero
-    /// clusters over the backing file. In pieces of at most [`ZERO_PIECE`] clusters, each
-    /// made durable before the next, so that the mappings waiting for the file stay few.
+    /// clusters over the backing file (version 3). In pieces of at most [`ZERO_PIECE`]
+    /// clusters, each made durable before the next, so that the mappings waiting for the
+    /// file stay few.
     fn zero_new_space(&mut self, src: &FileIo<'_>, from: u64, end: u64) -> io::Result<()> {
         let piece = ZERO_PIECE << self.meta.header().cluster_bits;
         let mut at = from;
