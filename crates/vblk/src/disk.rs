@@ -62,8 +62,11 @@ pub enum DiskCommand {
     ///
     /// A raw file is truncated to SIZE; a qcow2 image is grown (its header, and its L1
     /// table moved when it must grow); qcow2 images are never shrunk online (`qemu-img
-    /// resize --shrink` on an image nobody serves). A block device is resized by its owner
-    /// (`lvextend`), then the daemon is sent SIGHUP and reads the new size.
+    /// resize --shrink` on an image nobody serves). Over a backing file longer than the
+    /// image, the new space is made zero clusters first, so that it reads zeroes (a
+    /// version 2 image has none and is refused, as QEMU refuses it). A block device is
+    /// resized by its owner (`lvextend`), then the daemon is sent SIGHUP and reads the new
+    /// size.
     ///
     ///   vblk disk resize /run/vblk/control.sock vm1 40G
     #[command(verbatim_doc_comment)]
