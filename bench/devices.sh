@@ -98,6 +98,12 @@ qsd() { # NAME BLOCKDEV [iothread]
   start "$name" qemu-storage-daemon "${obj[@]}" --blockdev "$blockdev,node-name=n0" --export "$exp"
 }
 
+# qsd_qcow2 NAME FILE [iothread]: qemu-storage-daemon's qcow2 driver on FILE, O_DIRECT,
+# aio=io_uring, writable (a file of its own: the image is locked)
+qsd_qcow2() {
+  qsd "$1" "driver=qcow2,file.driver=file,file.filename=$2,file.cache.direct=on,file.aio=io_uring" ${3:-}
+}
+
 sock() { local v="PID_${1//-/_}"; echo "$D/$1.sock@${!v}"; }
 
 # With JSON_OUT=DIR (bench/all.sh sets it), each table's raw JSON goes to DIR/ID.json
@@ -177,11 +183,8 @@ if want qcow2-write-qd1 || want qcow2-write-qd32; then
   sync
   vblk vblk-qcow2 "$D/w-vblk.qcow2" --cache none --format qcow2
   vblk vblk-raw "$D/w-raw.img" --cache none
-  for v in w-qsd w-qsd-iothread; do
-    io=""
-    [ "$v" = w-qsd-iothread ] && io=iothread
-    qsd "qsd-qcow2${io:+-iothread}" "driver=qcow2,file.driver=file,file.filename=$D/$v.qcow2,file.cache.direct=on,file.aio=io_uring" $io
-  done
+  qsd_qcow2 qsd-qcow2 "$D/w-qsd.qcow2"
+  qsd_qcow2 qsd-qcow2-iothread "$D/w-qsd-iothread.qcow2" iothread
   WRITE="socket=$(sock vblk-qcow2),$(sock vblk-raw),$(sock qsd-qcow2),$(sock qsd-qcow2-iothread)"
   for qd in 1 32; do
     want "qcow2-write-qd$qd" || continue
@@ -228,11 +231,8 @@ for bs in 4k 64k; do
     qemu-img create -q -f qcow2 "$D/$v.qcow2" 64G
   done
   vblk vblk-alloc "$D/vblk-alloc.qcow2" --cache none --format qcow2
-  for v in qsd-alloc qsd-alloc-iothread; do
-    io=""
-    [ "$v" = qsd-alloc-iothread ] && io=iothread
-    qsd "$v" "driver=qcow2,file.driver=file,file.filename=$D/$v.qcow2,file.cache.direct=on,file.aio=io_uring" $io
-  done
+  qsd_qcow2 qsd-alloc "$D/qsd-alloc.qcow2"
+  qsd_qcow2 qsd-alloc-iothread "$D/qsd-alloc-iothread.qcow2" iothread
   ALLOC="socket=$(sock vblk-alloc),$(sock qsd-alloc),$(sock qsd-alloc-iothread)"
   record "qcow2-alloc-$bs" "allocating random writes of $bs to an empty 64 GiB qcow2, QD32" \
     taskset -c 0 "$V" --log-level warn bench --name "qcow2-alloc-$bs" --bs="$bs" \
