@@ -192,6 +192,50 @@ fn the_default_daemon_is_confined_and_serves_resizes_reports_and_stops() {
     assert!(!dir.path().join("c.sock").exists());
 }
 
+/// Sockets named relative to the working directory, in it (`--socket-path s.sock`): the
+/// sandbox grants removing them in "." (a bare name's parent is the empty path, which
+/// Landlock cannot open).
+#[test]
+fn sockets_named_in_the_working_directory_are_served_confined_and_removed() {
+    let dir = temp_dir("vblk-sandbox-");
+    let img = image(dir.path());
+    let log = dir.path().join("serve.log");
+    let out = fs::File::create(&log).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vblk"));
+    cmd.current_dir(dir.path())
+        .args(["--log-level", "info", "serve", "--socket-path", "r.sock"])
+        .args(["--blk-file", "disk.img", "--format", "raw"])
+        .args(["--control-socket", "rc.sock"])
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(out);
+    die_with_parent(&mut cmd);
+    let mut s = Serve {
+        child: cmd.spawn().expect("start vblk serve"),
+        log,
+        sock: dir.path().join("r.sock"),
+    };
+    let t0 = Instant::now();
+    while !s.sock.exists() {
+        if let Some(st) = s.wait(Duration::from_millis(20)) {
+            panic!("vblk serve ended ({st}):\n{}", s.log_text());
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no socket:\n{}",
+            s.log_text()
+        );
+    }
+    assert_confined(&s);
+    io(&s.sock, 0x3c);
+    assert!(img.exists());
+    s.signal(libc::SIGTERM);
+    let st = s.wait(Duration::from_secs(20)).expect("did not stop");
+    assert!(st.success(), "{st}:\n{}", s.log_text());
+    assert!(!s.sock.exists(), "the socket is removed at exit");
+    assert!(!dir.path().join("rc.sock").exists());
+}
+
 #[test]
 fn forbidden_calls_from_inside_end_the_daemon_or_fail() {
     let dir = temp_dir("vblk-sandbox-");

@@ -36,7 +36,16 @@ pub(crate) fn confine(needs: &Needs) -> Result<String, SandboxError> {
     let mut dirs: Vec<_> = needs
         .removable
         .iter()
-        .filter_map(|p| p.parent().map(|d| d.to_path_buf()))
+        .filter_map(|p| p.parent())
+        // A bare name (`--socket-path s.sock`) has the empty path as its parent, which
+        // cannot be opened: it is the working directory.
+        .map(|d| {
+            if d.as_os_str().is_empty() {
+                std::path::PathBuf::from(".")
+            } else {
+                d.to_path_buf()
+            }
+        })
         .collect();
     dirs.sort();
     dirs.dedup();
