@@ -153,9 +153,9 @@ pub(crate) struct WorkerStats {
     pub sleep_cost_ns: AtomicU64,
     /// The polling window when the worker last went to sleep, ns.
     pub poll_window_ns: AtomicU64,
-    /// 1 while the last pair of polling/sleeping epochs found that the guest waits for the
-    /// worker's wake-ups (polling is kept on; poll.rs).
-    pub poll_forced: AtomicU64,
+    /// How the worker spends its idle periods (`poll::Regime` as a number): the last
+    /// trial's choice (poll.rs).
+    pub poll_regime: AtomicU64,
 }
 
 /// The reset fence (fence.rs): requests of stopped queues still out, and how long queues
@@ -207,7 +207,7 @@ pub(crate) fn workers_snapshot(workers: &[Arc<WorkerStats>]) -> Value {
                 "sleeps": w.sleeps.load(Ordering::Relaxed),
                 "sleep_cost_ns": w.sleep_cost_ns.load(Ordering::Relaxed),
                 "poll_window_ns": w.poll_window_ns.load(Ordering::Relaxed),
-                "poll_forced": w.poll_forced.load(Ordering::Relaxed) != 0,
+                "poll_regime": crate::poll::Regime::from_u64(w.poll_regime.load(Ordering::Relaxed)).name(),
             })
         })
         .collect();

@@ -198,10 +198,14 @@ fn print_workers(v: &Value) {
             u(&w["sleeps"]),
             u(&w["sleep_cost_ns"]) as f64 / 1e3,
             u(&w["poll_window_ns"]) as f64 / 1e3,
-            if w["poll_forced"].as_bool() == Some(true) {
-                " (kept on: the guest waits for wake-ups)"
-            } else {
-                ""
+            match w["poll_regime"].as_str() {
+                Some("poll") => "; polling kept on (the guest waits for wake-ups)",
+                // A measured sleep: the default mode chose it (`--poll-us 0` never measures).
+                Some("lean") if u(&w["sleep_cost_ns"]) > 0 => {
+                    "; only a 4 µs grace (polling cost more CPU per request than it bought)"
+                }
+                Some("lean") => "; only a 4 µs grace",
+                _ => "",
             }
         );
     }

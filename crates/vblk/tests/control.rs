@@ -172,7 +172,10 @@ fn a_worker_that_sleeps_measures_the_cost_and_narrows_its_window() {
             let w = &v["workers"][0];
             let n = |f: &str| w[f].as_u64().unwrap();
             assert!(n("sleeps") >= 48, "{w}");
+            let regime = w["poll_regime"].as_str().unwrap_or_default();
+            assert!(["poll", "adapt", "lean"].contains(&regime), "{w}");
             if ceiling_ns == 0 {
+                assert_eq!(regime, "lean", "--poll-us 0 has only the grace: {w}");
                 assert_eq!(n("sleep_cost_ns"), 0, "{w}");
                 assert!(n("poll_window_ns") <= 4_000, "at most the grace: {w}");
             } else {

@@ -160,8 +160,8 @@ impl WorkerThread {
                 .poll_window_ns
                 .store(nanos(self.poll.window()), Ordering::Relaxed);
             self.stats
-                .poll_forced
-                .store(u64::from(self.poll.forced()), Ordering::Relaxed);
+                .poll_regime
+                .store(self.poll.regime() as u64, Ordering::Relaxed);
             let mut more = false;
             for w in &mut self.workers {
                 more |= w.rearm();
