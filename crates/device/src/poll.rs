@@ -45,7 +45,8 @@
 //!   that found work is, by being a hit, a short gap, so per-period rates favour polling
 //!   even for a paced guest. While the choice holds the trials space out to one in four
 //!   seconds; a trial costs a paced guest at most one epoch of spinning (0.25-1 % of a
-//!   CPU); a trial that spans an idle spell is dropped.
+//!   CPU). A trial that spans an idle spell, or with an epoch at a tenth of another's
+//!   pace (the guest started or stopped inside it), is dropped.
 //! - **Within those bounds the window adapts**: when spinning found work it doubles; when
 //!   it ran out it halves, down to the floor.
 //!
@@ -92,6 +93,9 @@ pub(crate) const GAIN_MIN: f64 = 1.2;
 /// The regime running keeps its place while it costs at most this much more CPU per unit
 /// of work than the cheapest (measurement noise must not flip it every trial).
 const KEEP_WITHIN: f64 = 1.03;
+/// A trial one of whose epochs served work at less than 1/TRANSITION of another's pace
+/// saw the guest start or stop: it decides nothing.
+const TRANSITION: f64 = 10.0;
 /// Trials that served less work than this decide nothing (an idle guest); the next
 /// then comes after [`TRIAL_RETRY`].
 const TRIAL_MIN_WORK: u64 = 64;
@@ -148,33 +152,46 @@ struct Trial {
     kept: u32,
 }
 
+/// The regime to run, from each regime's pace (work per second) and CPU per unit of
+/// work: the cheapest, unless another brought work at least [`GAIN_MIN`] times as fast
+/// and no less faster than it costs more CPU per unit of work (then the fastest such).
+/// The `current` regime counts as the cheapest while within [`KEEP_WITHIN`] of it.
+fn choose(pace: &[f64; REGIMES], cost: &[f64; REGIMES], current: Regime) -> Regime {
+    let mut cheapest = (0..REGIMES)
+        .min_by(|&a, &b| cost[a].total_cmp(&cost[b]))
+        .unwrap_or(0);
+    if cost[current as usize] <= cost[cheapest] * KEEP_WITHIN {
+        cheapest = current as usize;
+    }
+    let mut chosen = cheapest;
+    for r in 0..REGIMES {
+        let gain = pace[r] / pace[cheapest];
+        let dearer = cost[r] / cost[cheapest];
+        if gain >= GAIN_MIN && gain >= dearer && pace[r] > pace[chosen] {
+            chosen = r;
+        }
+    }
+    ALL[chosen]
+}
+
 impl Trial {
-    /// What the trial just ended says: the regime that costs the least CPU per unit of
-    /// work, unless another brought work at least [`GAIN_MIN`] times as fast and no less
-    /// faster than it cost more CPU per unit of work (then the fastest such); None when
-    /// it served too little work to tell.
+    /// What the trial just ended says ([`choose`]); None when it served too little work to
+    /// tell or saw the guest start or stop.
     fn verdict(&self) -> Option<Regime> {
         if self.work.iter().sum::<u64>() < TRIAL_MIN_WORK || self.work.contains(&0) {
             return None;
         }
-        let rate = |r: usize| self.work[r] as f64 / self.wall[r].as_secs_f64().max(1e-9);
-        let per_work = |r: usize| self.cpu[r].as_secs_f64().max(1e-12) / self.work[r] as f64;
-        let mut cheapest = (0..REGIMES)
-            .min_by(|&a, &b| per_work(a).total_cmp(&per_work(b)))
-            .unwrap_or(0);
-        let current = self.choice as usize;
-        if per_work(current) <= per_work(cheapest) * KEEP_WITHIN {
-            cheapest = current;
+        let pace: [f64; REGIMES] =
+            std::array::from_fn(|r| self.work[r] as f64 / self.wall[r].as_secs_f64().max(1e-9));
+        let cost: [f64; REGIMES] =
+            std::array::from_fn(|r| self.cpu[r].as_secs_f64().max(1e-12) / self.work[r] as f64);
+        // An epoch that served work at a tenth of another's pace saw the guest start or
+        // stop (the end of a run, a guest that pauses): no regime does that.
+        let top = pace.iter().copied().fold(0.0, f64::max);
+        if pace.iter().any(|&p| p * TRANSITION < top) {
+            return None;
         }
-        let mut chosen = cheapest;
-        for r in 0..REGIMES {
-            let gain = rate(r) / rate(cheapest);
-            let cost = per_work(r) / per_work(cheapest);
-            if gain >= GAIN_MIN && gain >= cost && rate(r) > rate(chosen) {
-                chosen = r;
-            }
-        }
-        Some(ALL[chosen])
+        Some(choose(&pace, &cost, self.choice))
     }
 }
 
@@ -243,7 +260,7 @@ impl Poll {
             trial: Trial {
                 next_at: Instant::now(),
                 epoch: None,
-                order: [Regime::Poll, Regime::Adapt, Regime::Lean],
+                order: ALL,
                 work: [0; REGIMES],
                 wall: [Duration::ZERO; REGIMES],
                 cpu: [Duration::ZERO; REGIMES],
@@ -732,7 +749,7 @@ mod tests {
     }
 
     #[test]
-    fn trials_keep_the_adaptive_window_where_it_is_cheapest_and_resist_noise() {
+    fn trials_keep_the_adaptive_window_where_it_is_cheapest_and_ride_out_noise() {
         // RAM disk at QD32: every regime uses the whole CPU; the adaptive window serves
         // 14 % more than the grace and as much as polling.
         let mut p = Poll::new(200);
@@ -750,6 +767,27 @@ mod tests {
             Regime::Lean => (11_100, 10 * MS),
         });
         assert_eq!(p.regime(), Regime::Adapt);
+    }
+
+    #[test]
+    fn a_trial_that_sees_the_guest_start_or_stop_decides_nothing() {
+        let mut p = Poll::new(200);
+        let t = trial(&mut p, Instant::now(), |r| match r {
+            Regime::Poll => (44_000, 10 * MS),
+            Regime::Adapt => (40_000, 10 * MS),
+            Regime::Lean => (15_000, 6 * MS),
+        });
+        assert_eq!(p.regime(), Regime::Poll);
+        // The run ends during the polling epoch: it serves a trickle, which read as a pace
+        // would make the adaptive window 200 times as fast.
+        let t = trial(&mut p, t + TRIAL_EVERY, |r| match r {
+            Regime::Poll => (200, 10 * US),
+            Regime::Adapt => (40_000, 10 * MS),
+            Regime::Lean => (15_000, 6 * MS),
+        });
+        assert_eq!(p.regime(), Regime::Poll, "the choice stands");
+        p.tick(t + TRIAL_RETRY, || Duration::ZERO);
+        assert!(p.forced_regime().is_some(), "another trial comes soon");
     }
 
     #[test]
