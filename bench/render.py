@@ -445,10 +445,12 @@ def main():
     out += [
         "## What is not on this page",
         "",
-        "A/B comparisons between commits (`bench/device-ab.sh REV_A REV_B`, "
-        "`bench/driver-ab.sh`) and the seed experiments (docs/experiments.md, "
-        "bench/experiments/) are runs of their own: their output is kept under bench/results/ "
-        "as the scripts printed it, and the design notes cite them there. The A/B runs kept:",
+        "The seed experiments are a page of their own, docs/experiments.md, generated the "
+        "same way from one run of `bash bench/experiments/all.sh` (raw JSON in "
+        "bench/results/DATE-COMMIT-experiments-MODE/). A/B comparisons between commits "
+        "(`bench/device-ab.sh REV_A REV_B`, `bench/driver-ab.sh`) are runs of their own: "
+        "their output is kept under bench/results/ as the scripts printed it, and the design "
+        "notes cite them there. The A/B runs kept:",
         "",
     ]
     root = os.path.dirname(os.path.abspath(d))

@@ -5,7 +5,7 @@
 #   bash bench/experiments/s1.sh          (REPEAT=3 RUNTIME=3 by default)
 source "$(dirname "$0")/common.sh"
 for rw in read write randread randwrite; do
-    run "S1 $rw 4 KiB QD32" --name "$rw" --rw="$rw" --bs=4k --iodepth=32 \
+    run "s1-$rw" "S1 $rw 4 KiB QD32" --name "$rw" --rw="$rw" --bs=4k --iodepth=32 \
         --runtime="$RUNTIME" --ramp_time=500ms --time_based \
         --compare "path=request,elevator=deadline;path=bio;path=batch;path=auto"
 done

@@ -4,5 +4,5 @@
 # each, QD16) on the embedded RAM disk.
 #   bash bench/experiments/s2.sh          (REPEAT=3 by default; 5 s per run)
 source "$(dirname "$0")/common.sh"
-run "S2 16-job matrix" bench/jobs/matrix-16.fio \
+run s2-matrix "S2 16-job matrix" bench/jobs/matrix-16.fio \
     --compare "path=request;path=bio;path=batch;path=auto"

@@ -19,7 +19,7 @@
 # Environment: RUNTIME (seconds per run, default 10), RAMP (default 2), REPEAT (default 1),
 # SIZE (the file, default 4g), DIR (where the file goes, default /var/tmp), SCHEDS (default
 # "none mq-deadline bfq"), MIXES (rwmixread values, default "80 1"), KEEP=1 keeps the file
-# for the next run. The disk's scheduler is restored on exit, whatever happens (trap);
+# for the next run; JSON_OUT=DIR (bench/experiments/all.sh) keeps each run's JSON there. The disk's scheduler is restored on exit, whatever happens (trap);
 # writing it needs root. Needs qemu-storage-daemon (Debian: qemu-system-common), taskset.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -100,11 +100,18 @@ for mix in $MIXES; do
   for s in $SCHEDS; do
     echo "$s" > "$SCHED_FILE"
     echo
-    echo "== rwmixread=$mix, scheduler $s (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
+    LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
+    echo "== rwmixread=$mix, scheduler $s (load average: $LOAD)"
     echo "\$ vblk bench $JOB --rwmixread=$mix --runtime=$RUNTIME --time_based --ramp_time=$RAMP --repeat $REPEAT --compare socket=..."
     taskset -c 0 "$V" --log-level warn bench "$JOB" --rwmixread="$mix" --runtime="$RUNTIME" \
       --time_based --ramp_time="$RAMP" --repeat "$REPEAT" --compare "$CMP" \
       --output-format=json > "$D/mix$mix-$s.json"
+    if [ -n "${JSON_OUT:-}" ]; then
+      cp "$D/mix$mix-$s.json" "$JSON_OUT/s5-mix$mix-$s.json"
+      printf '%s\t%s\t%s\t%s\n' "s5-mix$mix-$s" "S5 rwmixread=$mix, scheduler $s" "$LOAD" \
+        "vblk bench $JOB --rwmixread=$mix --runtime=$RUNTIME --time_based --ramp_time=$RAMP --repeat $REPEAT --compare socket=vblk-{sync,threads,aio,io_uring},qsd-{threads,native,io_uring}" \
+        >> "$JSON_OUT/manifest.tsv"
+    fi
     python3 - "$D/mix$mix-$s.json" <<'EOF'
 import json, sys
 v = json.load(open(sys.argv[1]))[0]["variants"]

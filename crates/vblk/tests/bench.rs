@@ -389,6 +389,108 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
     );
 }
 
+/// docs/experiments.md is written by bench/experiments/render.py from a run's JSON and the
+/// fixed text of bench/experiments/page.md: every marker filled, the comparisons computed
+/// from the JSON (here S1's bio/request and S3's passthru/bio), a table the run did not
+/// have said so.
+#[test]
+fn experiments_md_is_rendered_from_the_runs_json() {
+    let dir = temp_dir("render-experiments");
+    let json = |args: &[&str]| {
+        let mut all = vec!["--bs=4k", "--size=8m", "--runtime=300ms", "--time_based"];
+        all.extend_from_slice(args);
+        bench_json(&all)
+    };
+    let tables = [
+        (
+            "s1-read",
+            "S1 read 4 KiB QD32",
+            json(&[
+                "--name",
+                "read",
+                "--rw=read",
+                "--iodepth=32",
+                "--repeat",
+                "2",
+                "--compare",
+                "path=request,elevator=deadline;path=bio;path=batch;path=auto",
+            ]),
+        ),
+        (
+            "s3-qd1",
+            "S3 QD1",
+            json(&[
+                "--name",
+                "qd1",
+                "--rw=randread",
+                "--iodepth=1",
+                "--compare",
+                "path=bio;path=passthru;path=auto",
+            ]),
+        ),
+    ];
+    let mut manifest = String::new();
+    for (id, title, v) in &tables {
+        std::fs::write(dir.path().join(format!("{id}.json")), v.to_string()).unwrap();
+        manifest += &format!("{id}\t{title}\t0.10 0.20 0.30\tvblk bench {id} args\n");
+    }
+    std::fs::write(dir.path().join("manifest.tsv"), manifest).unwrap();
+    std::fs::write(
+        dir.path().join("machine.txt"),
+        "mode: quick (test)\ncommand: bash bench/experiments/all.sh quick\ncommit: abc1234\n",
+    )
+    .unwrap();
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../bench/experiments/render.py"
+    );
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(dir.path())
+        .output()
+        .expect("python3 is needed to render docs/experiments.md");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let md = String::from_utf8(out.stdout).unwrap();
+    assert!(!md.contains("{{"), "a marker left unfilled:\n{md}");
+    assert!(md.contains("vblk bench s1-read args"), "{md}");
+    assert!(md.contains("at abc1234"), "{md}");
+    let iops = |doc: &Value, variant: &str| {
+        doc[0]["variants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["variant"] == variant)
+            .unwrap_or_else(|| panic!("no {variant}"))["iops_mean"]
+            .as_f64()
+            .unwrap()
+    };
+    let s1 = &tables[0].2;
+    let bio_request = iops(s1, "path=bio") / iops(s1, "path=request,elevator=deadline");
+    let row = md
+        .lines()
+        .find(|l| l.starts_with("| read | 1.28 |"))
+        .expect(&md);
+    assert!(
+        row.contains(&format!("| {bio_request:.2} |")),
+        "{row} vs {bio_request}"
+    );
+    let s3 = &tables[1].2;
+    let passthru_bio = iops(s3, "path=passthru") / iops(s3, "path=bio");
+    let head = md
+        .lines()
+        .find(|l| l.starts_with("| S3 qd1, passthru/bio | 1.12 |"))
+        .expect(&md);
+    assert!(head.contains(&format!("{passthru_bio:.2}")), "{head}");
+    assert!(
+        md.contains("_Not in this run._"),
+        "S2 and S5 were not run: {md}"
+    );
+}
+
 /// `--section` runs only the named sections of a job file, as fio's does; a name the files
 /// do not have is refused, naming the sections they do have.
 #[test]
