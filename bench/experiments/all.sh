@@ -11,13 +11,14 @@
 #   full    about 40 minutes (the default): 5 runs per variant taking turns (S2: 3; S4,
 #           deterministic: 1), 2 s each; S5 as bench/experiments/s5.sh runs it
 #
-# OUT_DIR (default bench/results/DATE-COMMIT-experiments-MODE) gets machine.txt (the
+# OUT_DIR (relative to the repository's root; default
+# bench/results/DATE-COMMIT-experiments-MODE) gets machine.txt (the
 # machine and its state), manifest.tsv (per table: id, title, load average at its start,
-# command), one ID.json per table (`vblk bench --output-format json`) and s5.txt (S5's
+# command), one ID.json.gz per table (`vblk bench --output-format json`) and s5.txt (S5's
 # text output). Then docs/experiments.md is rewritten from OUT_DIR; commit both. Runs the
-# benchmarks under SCHED_FIFO (PRIO=rt, as the scripts' PRIO) and S5 sets the host disk's
-# scheduler (restored on exit): root. Needs qemu-storage-daemon (qemu-system-common),
-# taskset and chrt (util-linux); run on a quiet machine.
+# embedded benchmarks of S1-S4 under SCHED_FIFO (PRIO=rt, as the scripts' PRIO) and S5
+# sets the host disk's scheduler (restored on exit): root. Needs qemu-storage-daemon
+# (qemu-system-common), taskset and chrt (util-linux); run on a quiet machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODE=${1:-full}
@@ -46,7 +47,7 @@ export JSON_OUT PRIO=rt
 cargo build --release -q -p vblk
 START=$(date +%s)
 {
-  echo "mode: $MODE (REPEAT=$R, S2 $R2, S4 1; RUNTIME=${RT}s)"
+  echo "mode: $MODE (runs per variant: S1 and S3 $R, S2 $R2, S4 1, S5 1; ${RT} s per run in S1 and S3's QD1, the job files' and S4's and S5's own elsewhere)"
   echo "command: bash bench/experiments/all.sh $MODE"
   echo "commit: $COMMIT"
   echo "started: $(date -u +%FT%TZ)"
@@ -69,5 +70,8 @@ echo "== S5" >&2
 env "${S5[@]}" bash bench/experiments/s5.sh > "$OUT/s5.txt"
 
 echo "finished: $(date -u +%FT%TZ) ($(($(date +%s) - START)) s)" >> "$OUT/machine.txt"
-python3 bench/experiments/render.py "$OUT" > docs/experiments.md
+# The JSON keeps every run's full report (S2's is tens of MB): compressed, as render.py reads it.
+gzip -9f "$OUT"/*.json
+python3 bench/experiments/render.py "$OUT" > "$OUT/experiments.md"
+mv "$OUT/experiments.md" docs/experiments.md
 echo "docs/experiments.md rewritten from $OUT ($(($(date +%s) - START)) s)" >&2

@@ -4,11 +4,12 @@
     python3 bench/experiments/render.py OUT_DIR > docs/experiments.md
 
 OUT_DIR holds machine.txt, manifest.tsv (id, title, load average, command per table) and
-one ID.json per table. The fixed text is bench/experiments/page.md; each {{...}} marker
+one ID.json (or ID.json.gz) per table. The fixed text is bench/experiments/page.md; each {{...}} marker
 in it is replaced here by what this script computes from the run, so every figure of ours
 on the page is this run's. The seeds' figures that the comparisons use are the ones
 page.md quotes (../shared/SEEDS.md).
 """
+import gzip
 import json
 import os
 import re
@@ -38,12 +39,20 @@ def load(out):
             if line.strip():
                 tid, title, loadavg, cmd = line.rstrip("\n").split("\t")
                 manifest.append((tid, title, loadavg, cmd))
-    data = {tid: json.load(open(os.path.join(out, f"{tid}.json"))) for tid, *_ in manifest}
+    data = {}
+    for tid, *_ in manifest:
+        path = os.path.join(out, f"{tid}.json")
+        if os.path.exists(path + ".gz"):
+            with gzip.open(path + ".gz", "rt") as f:
+                data[tid] = json.load(f)
+        else:
+            with open(path) as f:
+                data[tid] = json.load(f)
     return manifest, data
 
 
 def variants(doc, job=None):
-    """{variant: iops_mean} of one job (the first if None)."""
+    """{variant name: variant} of one job (the first if None)."""
     for j in doc:
         if job is None or j["job"] == job:
             return {v["variant"]: v for v in j["variants"]}
@@ -59,6 +68,12 @@ def ratio(vs, a, b):
 def spread(vs):
     """The largest relative standard deviation among the variants (0 for single runs)."""
     return max((v["iops_stddev"] / v["iops_mean"] for v in vs.values() if v["iops_mean"]), default=0)
+
+
+def span(xs):
+    """"a-b" over the figures that are numbers, or "–"."""
+    xs = [x for x in xs if x == x]
+    return f"{min(xs):.2f}-{max(xs):.2f}" if xs else "–"
 
 
 def f2(x):
@@ -228,20 +243,27 @@ def headline(data):
     lines = ["| experiment | the seed | this run |", "|---|---|---|"]
     b = [ratio(variants(data[f"s1-{j}"]), "path=bio", REQ) for j in SEED_S1 if f"s1-{j}" in data]
     if b:
-        lines.append(f"| S1 RAM disk, bio/request | 1.16-1.28 | {min(b):.2f}-{max(b):.2f} |")
+        lines.append(f"| S1 RAM disk, bio/request | 1.16-1.28 | {span(b)} |")
     if "s2-matrix" in data:
         r = [ratio({v["variant"]: v for v in j["variants"]}, "path=batch", "path=request")
-             for j in data["s2-matrix"] if j["job"].endswith("-iops")]
-        lines.append(f"| S2 16 jobs, batch/request at 4 KiB | 0.98-1.13 | {min(r):.2f}-{max(r):.2f} |")
+             for j in data["s2-matrix"] if j["job"].endswith("-iops") and j["job"] in SEED_S2]
+        lines.append(f"| S2 16 jobs, batch/request, 4 KiB read, write, randread, randwrite | 0.98-1.13 | {span(r)} |")
     for tid, seed in SEED_S3.items():
         if tid in data:
             lines.append(f"| S3 {data[tid][0]['job']}, passthru/bio | {seed:.2f} | "
                          f"{f2(ratio(variants(data[tid]), 'path=passthru', 'path=bio'))} |")
-    d2 = [ratio(variants(data[f"s4-hdd-{j}"]), "path=request,queue_depth=2", "path=bio")
-          for j in ("read", "write") if f"s4-hdd-{j}" in data]
-    if d2:
-        lines.append(f"| S4 slow disk, sequential: request (shallow) / bio | 1.02; 1.75 (QEMU, read; write) | "
-                     f"{d2[0]:.2f}; {d2[-1]:.2f} |")
+
+    def s4(job, a, b):
+        doc = data.get(f"s4-hdd-{job}")
+        return ratio(variants(doc), a, b) if doc else float("nan")
+
+    if any(f"s4-hdd-{j}" in data for j in ("read", "write")):
+        lines.append("| S4 slow disk, bio/request, sequential read; write | 0.98; 0.57 (QEMU) | "
+                     f"{f2(s4('read', 'path=bio', 'path=request'))}; {f2(s4('write', 'path=bio', 'path=request'))} |")
+        lines.append("| S4 slow disk, request at depth 2 / at the ring's depth, sequential read; write "
+                     "| – (the seed did not vary it) | "
+                     f"{f2(s4('read', 'path=request,queue_depth=2', 'path=request'))}; "
+                     f"{f2(s4('write', 'path=request,queue_depth=2', 'path=request'))} |")
     cells, order = s5_cells(data, "80")
     tot = {s: sum(cells[("vblk-sync", s)]) for s in SCHEDS if ("vblk-sync", s) in cells}
     if tot and max(tot.values()):
@@ -249,7 +271,8 @@ def headline(data):
                      f"(cfq / noop) | {min(tot.values()) / max(tot.values()):.2f} |")
     fr = [f for tid in data if not tid.startswith("s5-") for _, f, _, _ in auto_rows(data[tid])]
     if fr:
-        lines.append(f"| `auto`, worst row of S1-S4 / best block path | – | {min(fr):.2f} |")
+        worst = min((x for x in fr if x == x), default=float("nan"))
+        lines.append(f"| `auto`, worst row of S1-S4 / best block path | – | {f2(worst)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,7 +19,8 @@
 # Environment: RUNTIME (seconds per run, default 10), RAMP (default 2), REPEAT (default 1),
 # SIZE (the file, default 4g), DIR (where the file goes, default /var/tmp), SCHEDS (default
 # "none mq-deadline bfq"), MIXES (rwmixread values, default "80 1"), KEEP=1 keeps the file
-# for the next run; JSON_OUT=DIR (bench/experiments/all.sh) keeps each run's JSON there. The disk's scheduler is restored on exit, whatever happens (trap);
+# for the next run; JSON_OUT=DIR (an absolute path; bench/experiments/all.sh sets it)
+# keeps each run's JSON there. The disk's scheduler is restored on exit, whatever happens (trap);
 # writing it needs root. Needs qemu-storage-daemon (Debian: qemu-system-common), taskset.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

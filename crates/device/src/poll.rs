@@ -45,8 +45,9 @@
 //!   that found work is, by being a hit, a short gap, so per-period rates favour polling
 //!   even for a paced guest. While the choice holds the trials space out to one in four
 //!   seconds; a trial costs a paced guest at most one epoch of spinning (0.25-1 % of a
-//!   CPU). A trial that spans an idle spell, or with an epoch at a tenth of another's
-//!   pace (the guest started or stopped inside it), is dropped.
+//!   CPU). A trial that spans an idle spell is dropped, and so is one with an epoch at a
+//!   tenth of another's pace (the guest started or stopped inside it), unless the trial
+//!   before was dropped for that too (then the regime really is that slow).
 //! - **Within those bounds the window adapts**: when spinning found work it doubles; when
 //!   it ran out it halves, down to the floor.
 //!
@@ -96,6 +97,8 @@ const KEEP_WITHIN: f64 = 1.03;
 /// A trial one of whose epochs served work at less than 1/TRANSITION of another's pace
 /// saw the guest start or stop: it decides nothing.
 const TRANSITION: f64 = 10.0;
+/// ... unless the trials before it were, this many in a row: then it decides as it finds.
+const TRANSITIONS_IN_A_ROW: u32 = 1;
 /// Trials that served less work than this decide nothing (an idle guest); the next
 /// then comes after [`TRIAL_RETRY`].
 const TRIAL_MIN_WORK: u64 = 64;
@@ -105,16 +108,17 @@ const TRIAL_RETRY: Duration = Duration::from_millis(100);
 /// keeps the one it chose until the next trial.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Regime {
+    /// The adaptive window under the CPU rule (the choice until a trial has decided; 0,
+    /// the statistics' zero value).
+    Adapt = 0,
     /// Spin the whole window (the bound) in every idle period.
-    Poll = 0,
-    /// The adaptive window under the CPU rule.
-    Adapt = 1,
+    Poll = 1,
     /// Only the grace, while it finds work (what `--poll-us 0` always does).
     Lean = 2,
 }
 
 const REGIMES: usize = 3;
-const ALL: [Regime; REGIMES] = [Regime::Poll, Regime::Adapt, Regime::Lean];
+const ALL: [Regime; REGIMES] = [Regime::Adapt, Regime::Poll, Regime::Lean];
 
 impl Regime {
     /// The name `vblk stats` shows.
@@ -150,48 +154,70 @@ struct Trial {
     choice: Regime,
     /// Trials in a row that kept the choice (they space the next out).
     kept: u32,
+    /// Trials in a row dropped as [`Verdict::Transition`].
+    transitions: u32,
 }
 
 /// The regime to run, from each regime's pace (work per second) and CPU per unit of
 /// work: the cheapest, unless another brought work at least [`GAIN_MIN`] times as fast
 /// and no less faster than it costs more CPU per unit of work (then the fastest such).
-/// The `current` regime counts as the cheapest while within [`KEEP_WITHIN`] of it.
+/// The `current` regime counts as the cheapest while within [`KEEP_WITHIN`] of it, and
+/// stays while it qualifies and is within [`KEEP_WITHIN`] of the chosen one's pace.
 fn choose(pace: &[f64; REGIMES], cost: &[f64; REGIMES], current: Regime) -> Regime {
+    let current = current as usize;
     let mut cheapest = (0..REGIMES)
         .min_by(|&a, &b| cost[a].total_cmp(&cost[b]))
         .unwrap_or(0);
-    if cost[current as usize] <= cost[cheapest] * KEEP_WITHIN {
-        cheapest = current as usize;
+    if cost[current] <= cost[cheapest] * KEEP_WITHIN {
+        cheapest = current;
     }
+    let pays = |r: usize| {
+        let gain = pace[r] / pace[cheapest];
+        r == cheapest || (gain >= GAIN_MIN && gain >= cost[r] / cost[cheapest])
+    };
     let mut chosen = cheapest;
     for r in 0..REGIMES {
-        let gain = pace[r] / pace[cheapest];
-        let dearer = cost[r] / cost[cheapest];
-        if gain >= GAIN_MIN && gain >= dearer && pace[r] > pace[chosen] {
+        if pays(r) && pace[r] > pace[chosen] {
             chosen = r;
         }
+    }
+    if pays(current) && pace[current] * KEEP_WITHIN >= pace[chosen] {
+        chosen = current;
     }
     ALL[chosen]
 }
 
+/// What a trial that ended says.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Verdict {
+    /// Run this regime until the next trial.
+    Run(Regime),
+    /// Too little work to tell (an idle guest).
+    TooLittle,
+    /// An epoch served work at less than 1/[`TRANSITION`] of another's pace: the guest
+    /// started or stopped inside it, unless it happens again.
+    Transition,
+}
+
 impl Trial {
-    /// What the trial just ended says ([`choose`]); None when it served too little work to
-    /// tell or saw the guest start or stop.
-    fn verdict(&self) -> Option<Regime> {
+    /// What the trial just ended says ([`choose`]).
+    fn verdict(&self) -> Verdict {
         if self.work.iter().sum::<u64>() < TRIAL_MIN_WORK || self.work.contains(&0) {
-            return None;
+            return Verdict::TooLittle;
         }
         let pace: [f64; REGIMES] =
             std::array::from_fn(|r| self.work[r] as f64 / self.wall[r].as_secs_f64().max(1e-9));
         let cost: [f64; REGIMES] =
             std::array::from_fn(|r| self.cpu[r].as_secs_f64().max(1e-12) / self.work[r] as f64);
-        // An epoch that served work at a tenth of another's pace saw the guest start or
-        // stop (the end of a run, a guest that pauses): no regime does that.
+        // An epoch that served work at a tenth of another's pace most likely saw the
+        // guest start or stop (the end of a run, a guest that pauses). A regime that is
+        // that much slower (a sleep per request for a guest that answers at once) shows
+        // it again in the trial after: the second such trial in a row decides.
         let top = pace.iter().copied().fold(0.0, f64::max);
-        if pace.iter().any(|&p| p * TRANSITION < top) {
-            return None;
+        if self.transitions < TRANSITIONS_IN_A_ROW && pace.iter().any(|&p| p * TRANSITION < top) {
+            return Verdict::Transition;
         }
-        Some(choose(&pace, &cost, self.choice))
+        Verdict::Run(choose(&pace, &cost, self.choice))
     }
 }
 
@@ -266,6 +292,7 @@ impl Poll {
                 cpu: [Duration::ZERO; REGIMES],
                 choice: Regime::Adapt,
                 kept: 0,
+                transitions: 0,
             },
         }
     }
@@ -273,6 +300,15 @@ impl Poll {
     /// The regime the running epoch forces, if one runs.
     fn forced_regime(&self) -> Option<Regime> {
         self.trial.epoch.map(|(i, _, _)| self.trial.order[i])
+    }
+
+    /// The last trial's choice (`--poll-us 0`: always the grace), what `vblk stats` shows.
+    pub(crate) fn choice(&self) -> Regime {
+        if self.max.is_zero() {
+            Regime::Lean
+        } else {
+            self.trial.choice
+        }
     }
 
     /// The regime the worker runs now: the running epoch's, or the last trial's choice
@@ -321,7 +357,8 @@ impl Poll {
                     let verdict = t.verdict();
                     t.order.rotate_left(1);
                     match verdict {
-                        Some(r) => {
+                        Verdict::Run(r) => {
+                            t.transitions = 0;
                             if r == t.choice {
                                 t.kept = (t.kept + 1).min(TRIAL_SPACING_MAX);
                             } else {
@@ -330,9 +367,14 @@ impl Poll {
                             }
                             t.next_at = now + TRIAL_EVERY * (1 << t.kept);
                         }
-                        // Too little work to tell: try again soon, so that a load that
-                        // starts is judged within tens of milliseconds.
-                        None => t.next_at = now + TRIAL_RETRY,
+                        // Too little work to tell, or the guest started or stopped: try
+                        // again soon, so that a load that starts is judged within tens of
+                        // milliseconds.
+                        Verdict::TooLittle => t.next_at = now + TRIAL_RETRY,
+                        Verdict::Transition => {
+                            t.transitions += 1;
+                            t.next_at = now + TRIAL_RETRY;
+                        }
                     }
                 }
             }

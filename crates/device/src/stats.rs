@@ -153,8 +153,9 @@ pub(crate) struct WorkerStats {
     pub sleep_cost_ns: AtomicU64,
     /// The polling window when the worker last went to sleep, ns.
     pub poll_window_ns: AtomicU64,
-    /// How the worker spends its idle periods (`poll::Regime` as a number): the last
-    /// trial's choice (poll.rs).
+    /// How the worker spends its idle periods between trials (`poll::Regime` as a number,
+    /// 0 the adaptive window): the last trial's choice (poll.rs), stored at the end of
+    /// each busy period.
     pub poll_regime: AtomicU64,
 }
 

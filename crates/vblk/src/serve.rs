@@ -108,10 +108,11 @@ pub struct DaemonArgs {
     /// (one idle period in 32 tries it again). The window is also
     /// bounded by the CPU a sleep costs the worker (measured), shrinks when polling finds
     /// nothing, and drops to a thirty-second of its bound while polling costs more CPU per
-    /// request than sleeping (a paced or slow load). Every 1-4 s the worker tries 10 ms
-    /// each of the full window, the adaptive one and the grace alone, and keeps the one
-    /// that costs the least CPU per request unless another makes the guest faster by at
-    /// least 1.2x and by as much as it costs: `vblk stats` shows the figures and the choice.
+    /// request than sleeping (a paced or slow load). Every 1-4 s (100 ms after a trial
+    /// that could not tell) the worker tries 10 ms each of the full window, the adaptive
+    /// one and the grace alone, and keeps the one that costs the least CPU per request
+    /// unless another makes the guest faster by at least 1.2x and by as much as it costs:
+    /// `vblk stats` shows the figures and the choice.
     #[arg(long, value_name = "US", default_value_t = DEFAULT_POLL_US)]
     pub poll_us: u64,
 

@@ -199,12 +199,14 @@ fn print_workers(v: &Value) {
             u(&w["sleep_cost_ns"]) as f64 / 1e3,
             u(&w["poll_window_ns"]) as f64 / 1e3,
             match w["poll_regime"].as_str() {
-                Some("poll") => "; polling kept on (the guest waits for wake-ups)",
+                Some("poll") => {
+                    "; polling kept on at the window's bound (the last trial found it paid)"
+                }
                 // A measured sleep: the default mode chose it (`--poll-us 0` never measures).
                 Some("lean") if u(&w["sleep_cost_ns"]) > 0 => {
-                    "; only a 4 µs grace (polling cost more CPU per request than it bought)"
+                    "; only a grace of a few µs (polling cost more CPU per request than it bought)"
                 }
-                Some("lean") => "; only a 4 µs grace",
+                Some("lean") => "; only a grace of a few µs",
                 _ => "",
             }
         );

@@ -484,7 +484,10 @@ fn experiments_md_is_rendered_from_the_runs_json() {
         .lines()
         .find(|l| l.starts_with("| S3 qd1, passthru/bio | 1.12 |"))
         .expect(&md);
-    assert!(head.contains(&format!("{passthru_bio:.2}")), "{head}");
+    assert!(
+        head.ends_with(&format!("| {passthru_bio:.2} |")),
+        "{head} vs {passthru_bio}"
+    );
     assert!(
         md.contains("_Not in this run._"),
         "S2 and S5 were not run: {md}"

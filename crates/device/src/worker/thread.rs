@@ -133,6 +133,9 @@ impl WorkerThread {
                 // ended (poll.rs compares polling's cost per unit of work with sleeping's).
                 self.poll.busy(std::mem::take(&mut work));
                 self.poll.tick(now, thread_cpu);
+                self.stats
+                    .poll_regime
+                    .store(self.poll.choice() as u64, Ordering::Relaxed);
             }
             // While polling, read the clock once per IDLE_ROUNDS_PER_CLOCK empty rounds:
             // it costs more than a round, and the window need not be exact.
@@ -159,9 +162,6 @@ impl WorkerThread {
             self.stats
                 .poll_window_ns
                 .store(nanos(self.poll.window()), Ordering::Relaxed);
-            self.stats
-                .poll_regime
-                .store(self.poll.regime() as u64, Ordering::Relaxed);
             let mut more = false;
             for w in &mut self.workers {
                 more |= w.rearm();
