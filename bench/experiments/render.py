@@ -16,7 +16,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from table import auto_rows, human, table  # noqa: E402
+from table import auto_rows, backend_mb_s, human, table  # noqa: E402
 
 # The seeds' ratios, as page.md quotes them.
 SEED_S1 = {"read": 1.28, "write": 1.24, "randread": 1.21, "randwrite": 1.16}  # bio/request
@@ -175,12 +175,9 @@ def s5_cells(data, mix):
         if not doc:
             continue
         for x in doc[0]["variants"]:
-            name = x["variant"].split("/")[-1].split(".sock@")[0]
+            name, r, w = backend_mb_s(x)
             if name not in order:
                 order.append(name)
-            runs = x["runs"]
-            r = sum(j["vblk"]["aggregate"]["read"]["bw_bytes"] for j in runs) / len(runs) / 1e6
-            w = sum(j["vblk"]["aggregate"]["write"]["bw_bytes"] for j in runs) / len(runs) / 1e6
             cells[(name, s)] = (r, w)
     return cells, order
 

@@ -115,14 +115,9 @@ for mix in $MIXES; do
     fi
     python3 - "$D/mix$mix-$s.json" <<'EOF'
 import json, sys
-v = json.load(open(sys.argv[1]))[0]["variants"]
-rows = []
-for x in v:
-    name = x["variant"].split("/")[-1].split(".sock@")[0]
-    runs = x["runs"]
-    r = sum(j["vblk"]["aggregate"]["read"]["bw_bytes"] for j in runs) / len(runs) / 1e6
-    w = sum(j["vblk"]["aggregate"]["write"]["bw_bytes"] for j in runs) / len(runs) / 1e6
-    rows.append((name, r, w))
+sys.path.insert(0, "bench/experiments")
+from table import backend_mb_s
+rows = [backend_mb_s(x) for x in json.load(open(sys.argv[1]))[0]["variants"]]
 base = rows[0][1] + rows[0][2]
 print(f"{'backend':<16} {'read MB/s':>10} {'write MB/s':>11} {'ratio':>7}")
 for name, r, w in rows:
@@ -136,18 +131,17 @@ echo
 echo "== summary: read/write MB/s per backend and scheduler"
 python3 - "$D" "$MIXES" "$SCHEDS" <<'EOF'
 import json, sys
+sys.path.insert(0, "bench/experiments")
+from table import backend_mb_s
 d, mixes, scheds = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
 for mix in mixes:
     cells = {}
     order = []
     for s in scheds:
         for x in json.load(open(f"{d}/mix{mix}-{s}.json"))[0]["variants"]:
-            name = x["variant"].split("/")[-1].split(".sock@")[0]
+            name, r, w = backend_mb_s(x)
             if name not in order:
                 order.append(name)
-            runs = x["runs"]
-            r = sum(j["vblk"]["aggregate"]["read"]["bw_bytes"] for j in runs) / len(runs) / 1e6
-            w = sum(j["vblk"]["aggregate"]["write"]["bw_bytes"] for j in runs) / len(runs) / 1e6
             cells[(name, s)] = f"{r:.0f}/{w:.0f}"
     print(f"\nrwmixread={mix}")
     print("| backend | " + " | ".join(scheds) + " |")

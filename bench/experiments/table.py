@@ -53,6 +53,16 @@ def auto_rows(data):
     return out
 
 
+def backend_mb_s(variant):
+    """A `--compare socket=...` variant's backend name (its socket's file name) and mean
+    read and write MB/s (10^6 bytes) over its runs."""
+    name = variant["variant"].split("/")[-1].split(".sock@")[0]
+    runs = variant["runs"]
+    r = sum(j["vblk"]["aggregate"]["read"]["bw_bytes"] for j in runs) / len(runs) / 1e6
+    w = sum(j["vblk"]["aggregate"]["write"]["bw_bytes"] for j in runs) / len(runs) / 1e6
+    return name, r, w
+
+
 def table(data, title=""):
     """The Markdown table (and auto's worst row) for one `vblk bench` JSON document."""
     lines = []
