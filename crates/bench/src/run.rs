@@ -372,8 +372,33 @@ struct Slot {
     dir: IoDir,
     offset: u64,
     len: u64,
-    t0: Instant,
-    t1: Instant,
+    /// Before and after its submission, [`mono_ns`].
+    t0: u64,
+    t1: u64,
+}
+
+/// Nanoseconds on `CLOCK_MONOTONIC`, the clock [`Instant`] reads on Linux, as one integer.
+/// The loop takes two timestamps per I/O and one per batch of completions, and subtracts
+/// them: on `Instant` each subtraction normalises two (seconds, nanoseconds) pairs and
+/// checks for overflow, which cost more instructions than the rest of recording an I/O.
+fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec.max(0) as u64) * 1_000_000_000 + ts.tv_nsec.max(0) as u64
+}
+
+/// `t` on the [`mono_ns`] scale.
+fn instant_ns(t: Instant) -> u64 {
+    let (now, ns) = (Instant::now(), mono_ns());
+    if t >= now {
+        ns.saturating_add((t - now).as_nanos() as u64)
+    } else {
+        ns.saturating_sub((now - t).as_nanos() as u64)
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -389,14 +414,13 @@ fn run_clone(
 ) -> Result<CloneResult, String> {
     let mut gen = Generator::new(spec, start, len, align, seed)?;
     let depth = lane.depth();
-    let now = Instant::now();
     let mut slots: Vec<Slot> = (0..depth)
         .map(|_| Slot {
             dir: IoDir::Read,
             offset: 0,
             len: 0,
-            t0: now,
-            t1: now,
+            t0: 0,
+            t1: 0,
         })
         .collect();
     let mut free: Vec<usize> = (0..depth).rev().collect();
@@ -415,8 +439,9 @@ fn run_clone(
     let mut stopping = false;
     let mut measuring = false;
     let mut cpu0 = Cpu::this_thread();
-    let mut first_measured: Option<Instant> = None;
-    let mut last_done = Instant::now();
+    let ramp_end = instant_ns(w.ramp_end);
+    let mut first_measured: Option<u64> = None;
+    let mut last_done = mono_ns();
     let mut pacer = Pacer::of(spec, w.start);
     // The next I/O, drawn but held back by the rate.
     let mut pending = None;
@@ -426,13 +451,13 @@ fn run_clone(
         if !measuring && now >= w.ramp_end {
             measuring = true;
             cpu0 = Cpu::this_thread();
-            first_measured = Some(now);
+            first_measured = Some(mono_ns());
         }
         if w.deadline.is_some_and(|d| now >= d) || progress.stop.load(Ordering::Relaxed) {
             stopping = true;
         }
         // Submit until the depth is full (or the rate says wait).
-        let mut n = 0;
+        let mut unsent = 0;
         let mut due = None;
         while !stopping && in_flight < depth && !free.is_empty() {
             let u = pending.take().unwrap_or_else(|| gen.next());
@@ -450,9 +475,9 @@ fn run_clone(
                 generation += 1;
                 verify::fill(lane.buf(slot, u.len as usize), u.offset, generation);
             }
-            let t0 = Instant::now();
+            let t0 = mono_ns();
             lane.submit(slot, u.dir, u.offset, u.len)?;
-            let t1 = Instant::now();
+            let t1 = mono_ns();
             slots[slot] = Slot {
                 dir: u.dir,
                 offset: u.offset,
@@ -462,8 +487,10 @@ fn run_clone(
             };
             in_flight += 1;
             issued += u.len;
-            n += 1;
-            if n % batch_submit == 0 {
+            // Counted rather than `n % batch_submit`: no division per I/O.
+            unsent += 1;
+            if unsent == batch_submit {
+                unsent = 0;
                 lane.unplug()?;
             }
             if byte_limit.is_some_and(|l| issued >= l) {
@@ -483,7 +510,7 @@ fn run_clone(
         }
         done.clear();
         lane.wait(batch_complete.min(in_flight), &mut done)?;
-        let tc = Instant::now();
+        let tc = mono_ns();
         let mut bytes = 0;
         for &(slot, ref result) in &done {
             in_flight -= 1;
@@ -518,9 +545,9 @@ fn run_clone(
                 };
                 d.ios += 1;
                 d.bytes += s.len;
-                if s.t0 >= w.ramp_end {
-                    let slat = s.t1.duration_since(s.t0).as_nanos() as u64;
-                    let clat = tc.duration_since(s.t1).as_nanos() as u64;
+                if s.t0 >= ramp_end {
+                    let slat = s.t1.saturating_sub(s.t0);
+                    let clat = tc.saturating_sub(s.t1);
                     d.slat.record(slat.max(1));
                     d.clat.record(clat.max(1));
                     d.lat.record((slat + clat).max(1));
@@ -532,7 +559,9 @@ fn run_clone(
         progress.bytes.fetch_add(bytes, Ordering::Relaxed);
     }
     let cpu = Cpu::this_thread().since(&cpu0);
-    let runtime = first_measured.map_or(Duration::ZERO, |f| last_done.saturating_duration_since(f));
+    let runtime = first_measured.map_or(Duration::ZERO, |f| {
+        Duration::from_nanos(last_done.saturating_sub(f))
+    });
     if let Some(map) = &written {
         verified += verify_pass(lane, map, gen.max_block())?;
     }

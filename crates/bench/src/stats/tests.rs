@@ -241,3 +241,74 @@ fn cpu_arithmetic() {
     assert_eq!(a.add(&b).since(&b), a);
     assert_eq!(a.total(), Duration::from_millis(50));
 }
+
+#[test]
+fn every_value_lies_in_its_bucket_and_buckets_are_a_thousandth_wide() {
+    let mut v = 0u64;
+    let mut last = 0;
+    while v <= MAX_NS {
+        let i = bucket(v);
+        assert!(i < BUCKETS, "{v}: bucket {i} of {BUCKETS}");
+        assert!(i >= last, "buckets ascend with values: {v}");
+        last = i;
+        let (low, high) = bucket_range(i);
+        assert!(low <= v && v <= high, "{v} outside {low}..={high}");
+        assert!(
+            (high - low) as f64 <= v as f64 / 1024.0,
+            "{v}: {low}..={high}"
+        );
+        // Both ends map back to the bucket (no gaps, no overlaps).
+        assert_eq!((bucket(low), bucket(high)), (i, i), "{v}");
+        v = v + 1 + v / 777;
+    }
+    assert_eq!(bucket(u64::MAX), bucket(MAX_NS));
+}
+
+#[test]
+fn percentiles_and_spread_of_wide_data_match_the_sorted_samples() {
+    // A deterministic spread over six orders of magnitude, around a large mean.
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut samples: Vec<u64> = (0..20_000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            1_000 + (x % 1_000_000_000) / (1 + x % 1000)
+        })
+        .collect();
+    let mut l = Latency::new();
+    for &s in &samples {
+        l.record(s);
+    }
+    samples.sort_unstable();
+    for p in PERCENTILES {
+        let rank = ((p / 100.0 * samples.len() as f64).ceil() as usize).max(1);
+        let want = samples[rank - 1];
+        assert!(
+            near(l.percentile(p), want),
+            "p{p}: {} vs {want}",
+            l.percentile(p)
+        );
+    }
+    let n = samples.len() as f64;
+    let mean = samples.iter().map(|&s| s as f64).sum::<f64>() / n;
+    let var = samples
+        .iter()
+        .map(|&s| (s as f64 - mean).powi(2))
+        .sum::<f64>()
+        / (n - 1.0);
+    assert!((l.mean() - mean).abs() < 1e-6 * mean);
+    assert!((l.stddev() - var.sqrt()).abs() < 1e-9 * var.sqrt());
+}
+
+#[test]
+fn spread_stays_exact_around_a_large_mean() {
+    // Samples near an hour apart by a few ns: the shifted sums keep the spread that a sum of
+    // squares (1e25 against differences of 1) would lose.
+    let mut l = Latency::new();
+    for d in [5, 1, 3, 2, 4] {
+        l.record(3_000_000_000_000 + d);
+    }
+    assert_eq!(l.mean(), 3_000_000_000_003.0);
+    assert!((l.stddev() - 2.5f64.sqrt()).abs() < 1e-9, "{}", l.stddev());
+}
