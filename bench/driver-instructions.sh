@@ -12,6 +12,13 @@
 #
 #   bash bench/driver-instructions.sh BIN_A BIN_B [PATHS]
 #   RW=randread bash bench/driver-instructions.sh BIN_A BIN_B     (default randwrite)
+#   SIDE=device bash bench/driver-instructions.sh BIN_A BIN_B     (the device's instead)
+#
+# SIDE=device counts `vblk serve` (null disk, --poll-us 0 so no spin is counted, --seccomp
+# off because valgrind makes system calls the filter refuses) of each build, under
+# valgrind, driven by build B's bench: whole process and the device crate alone. Reads
+# of the null disk zero the guest's buffer with `rep stosb`, which callgrind counts byte
+# by byte (4,096 "instructions" per 4 KiB read): keep the default, random writes.
 #
 # Needs valgrind (installed with apt-get when missing).
 set -euo pipefail
@@ -20,27 +27,47 @@ B=${2:?usage: bench/driver-instructions.sh BIN_A BIN_B [PATHS]}
 PATHS=${3:-"bio batch"}
 command -v valgrind >/dev/null || apt-get install -y -q valgrind >/dev/null
 D=$(mktemp -d /var/tmp/vblk-instr.XXXXXX)
-"$B" --log-level warn serve --socket-path "$D/s.sock" --blk-file null:1G --num-queues 1 --image-lock off &
-SP=$!
+SIDE=${SIDE:-driver}
+SP=
 trap 'kill $SP 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$D"' EXIT
-for _ in $(seq 100); do [ -S "$D/s.sock" ] && break; sleep 0.1; done
+wait_sock() { for _ in $(seq 600); do [ -S "$D/s.sock" ] && return 0; sleep 0.1; done; echo "no socket $D/s.sock" >&2; exit 1; }
+if [ "$SIDE" = driver ]; then
+  "$B" --log-level warn serve --socket-path "$D/s.sock" --blk-file null:1G --num-queues 1 --image-lock off &
+  SP=$!
+  wait_sock
+fi
 BS=4096
 RW=${RW:-randwrite}
 SMALL=100
 LARGE=200
 MORE=$(((LARGE - SMALL) * 1024 * 1024 / BS))
 
-# count BIN PATH MIB: "all driver" instructions of one run
+# count BIN PATH MIB: "all crate" instructions of one run (crate: the driver's, or with
+# SIDE=device the device's)
 count() {
-  local out=$D/cg.$RANDOM
-  valgrind --tool=callgrind --callgrind-out-file="$out" "$1" bench --socket "$D/s.sock" \
-    --bs=$BS --rw="$RW" --iodepth=32 --size="${3}m" --path "$2" --spin-us 0 >/dev/null 2>"$out.err"
+  local out=$D/cg.$RANDOM crate=driver
+  if [ "$SIDE" = driver ]; then
+    valgrind --tool=callgrind --callgrind-out-file="$out" "$1" bench --socket "$D/s.sock" \
+      --bs=$BS --rw="$RW" --iodepth=32 --size="${3}m" --path "$2" --spin-us 0 >/dev/null 2>"$out.err"
+  else
+    crate=device
+    valgrind --tool=callgrind --callgrind-out-file="$out" "$1" --log-level warn serve \
+      --socket-path "$D/s.sock" --blk-file null:1G --num-queues 1 --image-lock off \
+      --poll-us 0 --seccomp off 2>"$out.err" &
+    SP=$!
+    wait_sock
+    "$B" bench --socket "$D/s.sock" --bs=$BS --rw="$RW" --iodepth=32 --size="${3}m" \
+      --path "$2" >/dev/null 2>>"$out.err"
+    kill -TERM $SP
+    wait $SP || true
+    rm -f "$D/s.sock"
+  fi
   callgrind_annotate --auto=no --threshold=100 "$out" 2>/dev/null | grep -v "PROGRAM TOTALS" |
-    awk '/^ *[0-9,]+ \(/ { x=$1; gsub(",", "", x); t+=x; if ($0 ~ /crates\/driver|vblk_driver/) d+=x }
+    awk -v c="$crate" '/^ *[0-9,]+ \(/ { x=$1; gsub(",", "", x); t+=x; if ($0 ~ "crates/" c "|vblk_" c) d+=x }
       END { printf "%.0f %.0f\n", t, d }'
 }
 
-printf '%-8s %-4s %14s %16s\n' path build "insn/I/O all" "insn/I/O driver"
+printf '%-8s %-4s %14s %16s\n' path build "insn/I/O all" "insn/I/O $SIDE"
 for p in $PATHS; do
   for b in A B; do
     if [ $b = A ]; then bin=$A; else bin=$B; fi

@@ -147,19 +147,32 @@ fn read_desc<M: GuestMemoryBackend>(
     match host {
         Some(p) => {
             // SAFETY: host_table checked that the whole table (index < entries) lies in one
-            // mapped region; [u8; 16] has alignment 1, and a volatile read of guest memory
-            // the driver may be writing yields some bytes, never undefined behaviour here.
-            let raw: [u8; 16] = unsafe {
-                std::ptr::read_volatile(p.add(DESC_SIZE as usize * usize::from(index)).cast())
+            // mapped region.
+            let at = unsafe { p.add(DESC_SIZE as usize * usize::from(index)) };
+            let (lo, hi) = if at.align_offset(8) == 0 {
+                // SAFETY: as above, and `at` is 8-aligned: two aligned words (the spec
+                // aligns the table to 16; a volatile load of a byte array would be split
+                // into sixteen byte loads). A volatile read of guest memory the driver may
+                // be writing yields some bytes, never undefined behaviour here.
+                unsafe {
+                    let w = at.cast::<u64>();
+                    (w.read_volatile(), w.add(1).read_volatile())
+                }
+            } else {
+                // SAFETY: as above; [u8; 8] has alignment 1.
+                unsafe {
+                    (
+                        u64::from_ne_bytes(at.cast::<[u8; 8]>().read_volatile()),
+                        u64::from_ne_bytes(at.add(8).cast::<[u8; 8]>().read_volatile()),
+                    )
+                }
             };
-            let le64 = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
-            let le32 = |b: &[u8]| u32::from_le_bytes(b.try_into().unwrap_or([0; 4]));
-            let le16 = |b: &[u8]| u16::from_le_bytes(b.try_into().unwrap_or([0; 2]));
+            let (addr, hi) = (u64::from_le(lo), u64::from_le(hi));
             Ok(Descriptor::new(
-                le64(&raw[0..8]),
-                le32(&raw[8..12]),
-                le16(&raw[12..14]),
-                le16(&raw[14..16]),
+                addr,
+                hi as u32,
+                (hi >> 32) as u16,
+                (hi >> 48) as u16,
             ))
         }
         None => mem
