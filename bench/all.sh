@@ -13,7 +13,8 @@
 # OUT_DIR (default bench/results/DATE-COMMIT-MODE) gets machine.txt (the machine and its
 # state), manifest.tsv (per table: id, title, load average at its start, command), one
 # ID.json per table (`vblk bench --output-format json`), and for full runs sharing.txt and
-# qos.txt with their JSON. Then BENCHMARKS.md is rewritten from OUT_DIR; commit both.
+# qos.txt with their JSON. Then BENCHMARKS.md is rewritten from OUT_DIR and the JSON
+# gzipped; commit both.
 # Needs qemu-storage-daemon (qemu-system-common), nbdkit and taskset; run on a quiet
 # machine.
 set -euo pipefail
@@ -141,5 +142,9 @@ if [ "$MODE" = full ]; then
 fi
 
 echo "finished: $(date -u +%FT%TZ) ($(($(date +%s) - START)) s)" >> "$OUT/machine.txt"
-python3 bench/render.py "$OUT" > BENCHMARKS.md
+# Written through a temporary file: a render that fails leaves the page as it was.
+python3 bench/render.py "$OUT" > BENCHMARKS.md.new
+mv BENCHMARKS.md.new BENCHMARKS.md
+# The raw JSON is kept gzipped (a full run's is 7 MB; render.py reads either).
+find "$OUT" -name '*.json' -exec gzip -9f {} +
 echo "BENCHMARKS.md rewritten from $OUT ($(($(date +%s) - START)) s)" >&2

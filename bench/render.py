@@ -6,6 +6,7 @@ qos.txt. Every figure printed here is computed from those files; the headline ta
 
     python3 bench/render.py OUT_DIR > BENCHMARKS.md
 """
+import gzip
 import json
 import os
 import re
@@ -114,9 +115,12 @@ def read_manifest(d):
 def load_tables(d, manifest):
     tables = {}
     for tid in manifest:
+        # bench/all.sh keeps a run's JSON gzipped once the page is written.
         p = os.path.join(d, tid + ".json")
+        if not os.path.exists(p) and os.path.exists(p + ".gz"):
+            p += ".gz"
         try:
-            with open(p) as f:
+            with (gzip.open(p, "rt") if p.endswith(".gz") else open(p)) as f:
                 data = json.load(f)
         except (OSError, ValueError) as e:
             sys.exit(f"render.py: {p}: {e}")

@@ -289,8 +289,9 @@ fn bad_job_file_names_the_line() {
 }
 
 /// BENCHMARKS.md is written by bench/render.py from the JSON `vblk bench` keeps: the figures
-/// it prints are the JSON's, rows of repeated variants show their spread, one run says so,
-/// and a goal whose table this run did not measure says that rather than a figure.
+/// it prints are the JSON's (plain or gzipped), rows of repeated variants show their spread,
+/// one run says so, and a goal whose table this run did not measure says that rather than a
+/// figure.
 #[test]
 fn benchmarks_md_is_rendered_from_the_runs_json() {
     let dir = temp_dir("render");
@@ -328,6 +329,13 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
         std::fs::write(dir.path().join(format!("{id}.json")), v.to_string()).unwrap();
         manifest += &format!("{id}\ttitle of {id}\t0.10 0.20 0.30\tvblk bench {id} args\n");
     }
+    // bench/all.sh gzips a run's JSON once the page is written: render.py reads either.
+    let gz = Command::new("gzip")
+        .arg("-9")
+        .arg(dir.path().join("baseline-mem-qd1.json"))
+        .status()
+        .expect("gzip is needed to keep a run's JSON");
+    assert!(gz.success());
     std::fs::write(dir.path().join("manifest.tsv"), manifest).unwrap();
     std::fs::write(
         dir.path().join("machine.txt"),
