@@ -63,7 +63,7 @@ const BUCKETS: usize = (((MAX_NS.ilog2() - HALF_BITS) as usize) << HALF_BITS) + 
 /// nearly so, kept beside the histogram: the sum of the samples, and the sums of their
 /// distances from the first sample and of those distances' squares (the shifted-data
 /// variance, stable when the spread is small against the mean). Recording one sample costs
-/// about twenty instructions, none of them a division: a benchmark records three per I/O
+/// a few dozen instructions, none of them a division: a benchmark records three per I/O
 /// (submission, completion and total latency), at millions of I/Os per second.
 #[derive(Clone, Debug)]
 pub struct Latency {
