@@ -268,7 +268,12 @@ impl Generator {
             self.rng.below(self.len / b) * b
         } else {
             let target = self.map.next(&mut self.rng) * self.min_block;
-            let off = target / b * b;
+            // One block size: the target is the unit (no division per I/O).
+            let off = if b == self.min_block {
+                target
+            } else {
+                target / b * b
+            };
             if b > self.len - off {
                 (self.len - b) / b * b
             } else {

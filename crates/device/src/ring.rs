@@ -83,12 +83,17 @@ pub(crate) enum RingError {
         ahead: u16,
         size: u16,
     },
+    #[error("a split ring of {size} entries (the size must be a power of two)")]
+    Size { size: u16 },
 }
 
 /// One queue's ring, device side.
 #[derive(Debug)]
 pub(crate) struct DeviceRing {
     size: u16,
+    /// `size - 1`: a ring index is masked, not divided (the size is a power of two, which
+    /// `new` checks and the session refuses otherwise).
+    mask: u16,
     addrs: RingAddrs,
     event_idx: bool,
     desc: *mut u8,
@@ -118,8 +123,12 @@ impl DeviceRing {
         event_idx: bool,
         base: u16,
     ) -> Result<DeviceRing, RingError> {
+        if !size.is_power_of_two() {
+            return Err(RingError::Size { size });
+        }
         let mut ring = DeviceRing {
             size,
+            mask: size - 1,
             addrs,
             event_idx,
             desc: std::ptr::null_mut(),
@@ -227,7 +236,7 @@ impl DeviceRing {
         if self.next_avail == self.seen_avail {
             return None;
         }
-        let slot = usize::from(self.next_avail % self.size);
+        let slot = usize::from(self.next_avail & self.mask);
         let head = u16::from_le(
             self.u16_at(self.avail, 4 + 2 * slot)
                 .load(Ordering::Relaxed),
@@ -261,7 +270,7 @@ impl DeviceRing {
         self.prefetched = start.wrapping_add(n as u16);
         let mut descs = [std::ptr::null::<u8>(); LEVEL];
         for (i, d) in descs.iter_mut().enumerate().take(n) {
-            let slot = usize::from(start.wrapping_add(i as u16) % self.size);
+            let slot = usize::from(start.wrapping_add(i as u16) & self.mask);
             let head = u16::from_le(
                 self.u16_at(self.avail, 4 + 2 * slot)
                     .load(Ordering::Relaxed),
@@ -342,7 +351,7 @@ impl DeviceRing {
         let old = self.next_used;
         let mut idx = old;
         for &(head, len) in done {
-            let at = 4 + 8 * usize::from(idx % self.size);
+            let at = 4 + 8 * usize::from(idx & self.mask);
             // SAFETY: `at + 8 <= 4 + 8 * size`, inside the used ring checked by `bind`,
             // which is 4-byte aligned; volatile stores into shared memory.
             unsafe {

@@ -98,6 +98,9 @@ impl Layout {
 #[derive(Debug)]
 pub(crate) struct SplitRing {
     size: u16,
+    /// `size - 1`: split rings are a power of two long (the driver picks only such sizes),
+    /// so a ring index is masked, not divided (a division per request each way).
+    mask: u16,
     /// Host address of the queue's area (also its guest address: identity mapping).
     base: *mut u8,
     layout: Layout,
@@ -137,8 +140,10 @@ impl SplitRing {
         event_idx: bool,
     ) -> SplitRing {
         let size = layout.size;
+        debug_assert!(size.is_power_of_two(), "split ring of {size} entries");
         let mut ring = SplitRing {
             size,
+            mask: size.wrapping_sub(1),
             base,
             layout,
             use_indirect: indirect && layout.max_indirect > 1,
@@ -316,7 +321,7 @@ impl SplitRing {
         }
         self.num_free -= need;
         self.chain[usize::from(head)] = need;
-        let slot = self.layout.avail + 4 + 2 * usize::from(self.avail_idx % self.size);
+        let slot = self.layout.avail + 4 + 2 * usize::from(self.avail_idx & self.mask);
         // SAFETY: slot is an avail ring entry inside the area (2-aligned).
         unsafe { self.at(slot).cast::<u16>().write_volatile(head) };
         self.avail_idx = self.avail_idx.wrapping_add(1);
@@ -382,7 +387,7 @@ impl SplitRing {
                 outstanding,
             }));
         }
-        let off = self.layout.used + 4 + 8 * usize::from(self.last_used % self.size);
+        let off = self.layout.used + 4 + 8 * usize::from(self.last_used & self.mask);
         // SAFETY: off is a used ring element inside the area (4-aligned).
         let (id, len) = unsafe {
             let p = self.at(off).cast::<u32>();

@@ -624,3 +624,31 @@ fn prefetch_survives_any_ring_content() {
         .collect();
     assert_eq!(popped, expected);
 }
+
+/// A ring's index is masked by its size, so a size that is not a power of two is refused
+/// where the ring is made (the session refuses it earlier, at SET_VRING_NUM), and a power
+/// of two wraps its indices: a ring started near the end of the u16 range pops the entries
+/// of the slots it wraps into.
+#[test]
+fn ring_sizes_are_powers_of_two_and_indices_wrap() {
+    let rig = Rig::new(false, EngineKind::Sync);
+    let gm = GuestMemory::from_mmap(rig.mem.clone());
+    for size in [0, 3, 12, QSIZE - 1] {
+        let err = DeviceRing::new(&gm, size, rig.addrs(), true, 0).unwrap_err();
+        assert!(err.to_string().contains("power of two"), "{size}: {err}");
+    }
+    let base = u16::MAX - 1;
+    for i in 0..4u16 {
+        let slot = base.wrapping_add(i) % QSIZE;
+        rig.mem
+            .write_obj(100 + i, GuestAddress(rig.avail + 4 + 2 * u64::from(slot)))
+            .unwrap();
+    }
+    rig.mem
+        .write_obj(base.wrapping_add(4), GuestAddress(rig.avail + 2))
+        .unwrap();
+    let mut ring = DeviceRing::new(&gm, QSIZE, rig.addrs(), true, base).unwrap();
+    assert_eq!(ring.refresh(), Ok(4));
+    let popped: Vec<u16> = std::iter::from_fn(|| ring.pop()).collect();
+    assert_eq!(popped, [100, 101, 102, 103]);
+}
