@@ -98,8 +98,9 @@ impl Layout {
 #[derive(Debug)]
 pub(crate) struct SplitRing {
     size: u16,
-    /// `size - 1`: split rings are a power of two long (the driver picks only such sizes),
-    /// so a ring index is masked, not divided (a division per request each way).
+    /// `size - 1`: split rings are a power of two long (the driver picks only such sizes,
+    /// and `new` asserts it), so a ring index is masked, not divided (a division per
+    /// request each way).
     mask: u16,
     /// Host address of the queue's area (also its guest address: identity mapping).
     base: *mut u8,
@@ -140,10 +141,12 @@ impl SplitRing {
         event_idx: bool,
     ) -> SplitRing {
         let size = layout.size;
-        debug_assert!(size.is_power_of_two(), "split ring of {size} entries");
+        // The mask keeps every index inside the ring only for a power of two (the attach
+        // offers no other size; 0 would mask nothing).
+        assert!(size.is_power_of_two(), "split ring of {size} entries");
         let mut ring = SplitRing {
             size,
-            mask: size.wrapping_sub(1),
+            mask: size - 1,
             base,
             layout,
             use_indirect: indirect && layout.max_indirect > 1,
