@@ -30,7 +30,7 @@ D=$(mktemp -d /var/tmp/vblk-instr.XXXXXX)
 SIDE=${SIDE:-driver}
 SP=
 trap 'kill $SP 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$D"' EXIT
-wait_sock() { for _ in $(seq 600); do [ -S "$D/s.sock" ] && return 0; sleep 0.1; done; echo "no socket $D/s.sock" >&2; exit 1; }
+wait_sock() { for _ in $(seq 600); do [ -S "$D/s.sock" ] && return 0; sleep 0.1; done; echo "no socket $D/s.sock" >&2; cat "$D"/cg.*.err >&2 2>/dev/null; exit 1; }
 if [ "$SIDE" = driver ]; then
   "$B" --log-level warn serve --socket-path "$D/s.sock" --blk-file null:1G --num-queues 1 --image-lock off &
   SP=$!
@@ -43,12 +43,17 @@ LARGE=200
 MORE=$(((LARGE - SMALL) * 1024 * 1024 / BS))
 
 # count BIN PATH MIB: "all crate" instructions of one run (crate: the driver's, or with
-# SIDE=device the device's)
+# SIDE=device the device's), into $D/count. Runs in this shell, not a subshell, so that
+# the EXIT trap can stop a valgrind'd device a failure leaves behind.
 count() {
   local out=$D/cg.$RANDOM crate=driver
   if [ "$SIDE" = driver ]; then
     valgrind --tool=callgrind --callgrind-out-file="$out" "$1" bench --socket "$D/s.sock" \
-      --bs=$BS --rw="$RW" --iodepth=32 --size="${3}m" --path "$2" --spin-us 0 >/dev/null 2>"$out.err"
+      --bs=$BS --rw="$RW" --iodepth=32 --size="${3}m" --path "$2" --spin-us 0 >/dev/null \
+      2>"$out.err" || {
+      cat "$out.err" >&2
+      exit 1
+    }
   else
     crate=device
     valgrind --tool=callgrind --callgrind-out-file="$out" "$1" --log-level warn serve \
@@ -57,22 +62,28 @@ count() {
     SP=$!
     wait_sock
     "$B" bench --socket "$D/s.sock" --bs=$BS --rw="$RW" --iodepth=32 --size="${3}m" \
-      --path "$2" >/dev/null 2>>"$out.err"
+      --path "$2" >/dev/null 2>>"$out.err" || {
+      cat "$out.err" >&2
+      exit 1
+    }
     kill -TERM $SP
     wait $SP || true
+    SP=
     rm -f "$D/s.sock"
   fi
   callgrind_annotate --auto=no --threshold=100 "$out" 2>/dev/null | grep -v "PROGRAM TOTALS" |
     awk -v c="$crate" '/^ *[0-9,]+ \(/ { x=$1; gsub(",", "", x); t+=x; if ($0 ~ "crates/" c "|vblk_" c) d+=x }
-      END { printf "%.0f %.0f\n", t, d }'
+      END { printf "%.0f %.0f\n", t, d }' > "$D/count"
 }
 
 printf '%-8s %-4s %14s %16s\n' path build "insn/I/O all" "insn/I/O $SIDE"
 for p in $PATHS; do
   for b in A B; do
     if [ $b = A ]; then bin=$A; else bin=$B; fi
-    read -r t1 d1 < <(count "$bin" "$p" $SMALL)
-    read -r t2 d2 < <(count "$bin" "$p" $LARGE)
+    count "$bin" "$p" $SMALL
+    read -r t1 d1 < "$D/count"
+    count "$bin" "$p" $LARGE
+    read -r t2 d2 < "$D/count"
     awk -v p="$p" -v b="$b" -v n="$MORE" -v t="$((t2 - t1))" -v d="$((d2 - d1))" \
       'BEGIN { printf "%-8s %-4s %14.0f %16.0f\n", p, b, t/n, d/n }'
   done
