@@ -10,10 +10,13 @@
 #
 #   bash bench/devices.sh [REPEAT] [RUNTIME_S] [TABLES]
 #
-# Devices (all pinned to CPU 1; the null tables compare the first four):
+# Devices (all pinned to CPU 1; the null tables compare the first five):
 #   vblk            vblk serve with its defaults (adaptive polling up to 200 µs, and only
 #                   while it pays for itself: docs/design-notes.md)
 #   vblk-poll0      vblk serve --poll-us 0 (never spins)
+#   vblk-coalesce20 null tables: vblk serve --coalesce-us 20 (a request may wait up to
+#                   20 µs so that one wake-up serves several; kept only while cheapest
+#                   at the same pace: docs/design-notes.md)
 #   vblk-aio        file tables: vblk serve --engine aio (Linux AIO)
 #   qsd             qemu-storage-daemon, export in the main loop (no IOThread)
 #   qsd-iothread    qemu-storage-daemon, export in an IOThread (--object iothread;
@@ -123,9 +126,10 @@ want() { [[ " $TABLES " == *" $1 "* ]]; }
 null_devices() {
   vblk vblk null:1G
   vblk vblk-poll0 null:1G --poll-us 0
+  vblk vblk-coalesce20 null:1G --coalesce-us 20
   qsd qsd "driver=null-co,size=1073741824,read-zeroes=on"
   qsd qsd-iothread "driver=null-co,size=1073741824,read-zeroes=on" iothread
-  NULLS="socket=$(sock vblk),$(sock vblk-poll0),$(sock qsd),$(sock qsd-iothread)"
+  NULLS="socket=$(sock vblk),$(sock vblk-poll0),$(sock vblk-coalesce20),$(sock qsd),$(sock qsd-iothread)"
 }
 
 if want null-qd1 || want null-qd32 || want null-100k || want null-500k || want idle; then

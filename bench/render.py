@@ -305,6 +305,7 @@ def goal_rows(tables):
         missing("O_DIRECT file QD32, `vblk serve` vs qsd", "≥ 1.0×", ["file-qd32"])
     for tid, rate in (("null-100k", "100 k"), ("null-500k", "500 k")):
         v, p0, q = (find(tables, tid, x) for x in ("vblk", "vblk-poll0", "qsd"))
+        c = find(tables, tid, "vblk-coalesce20")
         if v and p0 and q and v.dev and q.dev:
             r = v.dev / q.dev
             ok = r <= 0.5
@@ -314,6 +315,10 @@ def goal_rows(tables):
                 # Above --poll-us 0's CPU only if it buys a median ≥ 30 % lower.
                 if v.dev > p0.dev and not (v.p50 and p0.p50 and v.p50 <= 0.7 * p0.p50):
                     ok = False
+            if c and c.dev:
+                # Not the default: shown beside it, the goal is judged on the default.
+                extra += (f"; `--coalesce-us 20` {num(c.dev)} µs ({c.dev / q.dev:.2f} of qsd), "
+                          f"p50 {us(c.p50)} µs")
             row(f"null disk, {rate} IOPS offered at QD32: device µs CPU per I/O, default vs qsd",
                 f"{num(v.dev)} vs {num(q.dev)} µs{extra}", f"{r:.2f}",
                 "≤ 0.5; above `--poll-us 0` only for a ≥ 30 % lower median", ok)

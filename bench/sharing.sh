@@ -4,6 +4,8 @@
 # served by
 #   (a) vblk-1x16    one vblk serve, 16 disks (--disk), one worker thread
 #       vblk-1x16-nopoll  the same with --poll-us 0 (never spins)
+#       vblk-1x16-coalesce20  the same with --coalesce-us 20 (requests may wait up to
+#                         20 µs so that one wake-up serves several: docs/design-notes.md)
 #   (b) vblk-16x1    16 vblk serve daemons, one disk each (their defaults)
 #   (c) qsd-1x16     one qemu-storage-daemon, 16 vhost-user-blk exports in its main loop
 #   (d) qsd-iot-1x16 one qemu-storage-daemon, 16 exports in one IOThread
@@ -99,16 +101,17 @@ for i in range(disks):
     p99.append(pct["99.000000"] / 1000)
 cpu_s = dt / hz
 wall = w1 - w0
-print(f"{name:<16} {disks:>5} {ios/ (wall - 0):>10.0f} {cpu_s / ios * 1e6 if ios else 0:>12.2f} {100 * cpu_s / wall:>8.1f} "
+print(f"{name:<20} {disks:>5} {ios/ (wall - 0):>10.0f} {cpu_s / ios * 1e6 if ios else 0:>12.2f} {100 * cpu_s / wall:>8.1f} "
       f"{statistics.median(p50):>9.1f} {statistics.median(p99):>9.1f} {max(p99):>9.1f}")
 EOF
 }
 
 echo "== sharing: $N null disks, each a job paced at $RATE IOPS (QD 1-4), ${RUNTIME}s after a 1 s ramp; devices on CPU 1, jobs on CPU 0"
 echo "== machine: $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /proc/loadavg); $("$V" --version)"
-printf '%-16s %5s %10s %12s %8s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "p50 med" "p99 med" "p99 max"
+printf '%-20s %5s %10s %12s %8s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "p50 med" "p99 med" "p99 max"
 start_vblk_many; run vblk-1x16 "$N"; stop_all
 start_vblk_many --poll-us 0; run vblk-1x16-nopoll "$N"; stop_all
+start_vblk_many --coalesce-us 20; run vblk-1x16-coalesce20 "$N"; stop_all
 start_vblk_each; run vblk-16x1 "$N"; stop_all
 start_qsd; run qsd-1x16 "$N"; stop_all
 start_qsd iothread; run qsd-iot-1x16 "$N"; stop_all

@@ -117,6 +117,9 @@ pub fn apply_variant(
         ("poll_us", TargetSpec::Embedded(c)) => {
             c.daemon.poll_us = value.parse().map_err(|_| bad("not a number"))?
         }
+        ("coalesce_us", TargetSpec::Embedded(c)) => {
+            c.daemon.coalesce_us = value.parse().map_err(|_| bad("not a number"))?
+        }
         ("threads", TargetSpec::Embedded(c)) => {
             c.daemon.threads = value.parse().map_err(|_| bad("not a number"))?
         }
@@ -159,7 +162,8 @@ pub fn apply_variant(
             };
         }
         (
-            "engine" | "engine_threads" | "poll_us" | "threads" | "submit_batch" | "disk" | "cache",
+            "engine" | "engine_threads" | "poll_us" | "coalesce_us" | "threads" | "submit_batch"
+            | "disk" | "cache",
             _,
         ) => {
             return Err(bad(
@@ -597,6 +601,10 @@ mod tests {
         apply_variant("path", "batch", &mut jobs, &mut t, &mut r).unwrap();
         assert_eq!(r.path, PathKind::Batch);
         apply_variant("poll-us", "7", &mut jobs, &mut t, &mut r).unwrap();
+        apply_variant("coalesce-us", "20", &mut jobs, &mut t, &mut r).unwrap();
+        assert!(
+            matches!(&t, TargetSpec::Embedded(c) if c.daemon.poll_us == 7 && c.daemon.coalesce_us == 20)
+        );
         apply_variant("iodepth", "8", &mut jobs, &mut t, &mut r).unwrap();
         assert_eq!(jobs[0].iodepth, 8);
         apply_variant("target", "baseline", &mut jobs, &mut t, &mut r).unwrap();
@@ -629,8 +637,10 @@ mod tests {
         let mut e = TargetSpec::Embedded(Box::new(embedded_defaults()));
         apply_variant("engine_threads", "32", &mut jobs, &mut e, &mut r).unwrap();
         assert!(matches!(&e, TargetSpec::Embedded(c) if c.engine_threads == 32));
-        let e = apply_variant("poll_us", "7", &mut jobs, &mut t, &mut r).unwrap_err();
-        assert!(e.contains("embedded device"), "{e}");
+        for key in ["poll_us", "coalesce_us"] {
+            let e = apply_variant(key, "7", &mut jobs, &mut t, &mut r).unwrap_err();
+            assert!(e.contains("embedded device"), "{e}");
+        }
         assert!(apply_variant("path", "elevator", &mut jobs, &mut t, &mut r).is_err());
     }
 }

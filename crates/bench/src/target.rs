@@ -197,11 +197,16 @@ impl Target {
     pub fn describe(&self) -> String {
         match &self.spec {
             TargetSpec::Embedded(c) => format!(
-                "embedded vblk device: {}, engine {}, {} worker(s), poll {} µs",
+                "embedded vblk device: {}, engine {}, {} worker(s), poll {} µs{}",
                 c.disk,
                 engine_label(c.engine, c.engine_threads),
                 c.daemon.threads,
-                c.daemon.poll_us
+                c.daemon.poll_us,
+                if c.daemon.coalesce_us > 0 {
+                    format!(", coalescing up to {} µs", c.daemon.coalesce_us)
+                } else {
+                    String::new()
+                }
             ),
             TargetSpec::Socket { path, .. } => {
                 format!("vhost-user-blk device at {}", path.display())

@@ -30,6 +30,13 @@ pub const MAX_QUEUE_SIZE: u16 = 32768;
 pub const SEG_MAX: u32 = 254;
 /// Default polling window after a worker's queues run dry, in microseconds.
 pub const DEFAULT_POLL_US: u64 = 200;
+
+/// `--coalesce-us`'s default: how long a worker may leave a paced guest's requests
+/// waiting so that one wake-up serves several (0: never).
+pub const DEFAULT_COALESCE_US: u64 = 0;
+
+/// The longest `--coalesce-us` accepted: a request may wait this long for the worker.
+pub const MAX_COALESCE_US: u64 = 1_000;
 /// `size_max`, the segment size offered to drivers. The device serves buffers of any
 /// length (a descriptor holds up to 4 GiB - 1); this is the size Linux splits segments at.
 pub const SIZE_MAX: u32 = 1 << 20;
@@ -54,6 +61,10 @@ pub struct DaemonConfig {
     pub threads: usize,
     /// Polling window in microseconds (0: never spin), per worker thread.
     pub poll_us: u64,
+    /// How long a worker thread may leave kicks off so that one wake-up serves several
+    /// requests, µs (0: never); the worker does so only while it measures cheaper per
+    /// request at the same pace (poll.rs).
+    pub coalesce_us: u64,
     /// CPUs to run worker threads on: thread t on `cpus[t % len]` (empty: wherever the
     /// scheduler puts them).
     pub cpus: Vec<usize>,
@@ -79,6 +90,7 @@ impl Default for DaemonConfig {
         DaemonConfig {
             threads: 1,
             poll_us: DEFAULT_POLL_US,
+            coalesce_us: DEFAULT_COALESCE_US,
             cpus: Vec::new(),
             control_socket: None,
             control_access: Default::default(),
@@ -101,6 +113,9 @@ impl DaemonConfig {
         }
         if self.poll_us > 1_000_000 {
             return Err(ConfigError::PollUs(self.poll_us));
+        }
+        if self.coalesce_us > MAX_COALESCE_US {
+            return Err(ConfigError::CoalesceUs(self.coalesce_us));
         }
         let count = cpu_count();
         if let Some(&cpu) = self.cpus.iter().find(|&&c| c >= count) {
@@ -272,6 +287,11 @@ pub enum ConfigError {
     /// Poll window absurdly large.
     #[error("--poll-us {0}: must be at most 1000000 (one second)")]
     PollUs(u64),
+    /// Coalescing delay too long.
+    #[error(
+        "--coalesce-us {0}: must be at most {MAX_COALESCE_US} (a request waits up to this long)"
+    )]
+    CoalesceUs(u64),
     /// Thread pool size out of range.
     #[error("--engine-threads {0}: must be between 1 and {max}", max = storage::MAX_ENGINE_THREADS)]
     EngineThreads(usize),

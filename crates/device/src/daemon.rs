@@ -203,6 +203,7 @@ pub fn serve_files(
             threads: daemon.threads,
             cpus: daemon.cpus.clone(),
             poll_us: daemon.poll_us,
+            coalesce_us: daemon.coalesce_us,
         })
         .map_err(|source| Error::Listen {
             path: "worker threads".into(),

@@ -39,6 +39,7 @@ impl Connection {
             threads: 1,
             cpus: Vec::new(),
             poll_us: 0,
+            coalesce_us: 0,
         })
         .map_err(|e| Error::VhostUser(format!("cannot start the worker threads: {e}")))?;
         let shared = DiskShared::new(

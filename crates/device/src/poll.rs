@@ -115,10 +115,14 @@ pub(crate) enum Regime {
     Poll = 1,
     /// Only the grace, while it finds work (what `--poll-us 0` always does).
     Lean = 2,
+    /// No spin: the worker sleeps with kicks still off for up to `--coalesce-us` and
+    /// serves what came meanwhile; a sleep that finds nothing re-arms kicks (one wake-up
+    /// serves several requests of a paced guest, each waiting at most that long).
+    Coalesce = 3,
 }
 
-const REGIMES: usize = 3;
-const ALL: [Regime; REGIMES] = [Regime::Adapt, Regime::Poll, Regime::Lean];
+const REGIMES: usize = 4;
+const ALL: [Regime; REGIMES] = [Regime::Adapt, Regime::Poll, Regime::Lean, Regime::Coalesce];
 
 impl Regime {
     /// The name `vblk stats` shows.
@@ -127,6 +131,7 @@ impl Regime {
             Regime::Poll => "poll",
             Regime::Adapt => "adapt",
             Regime::Lean => "lean",
+            Regime::Coalesce => "coalesce",
         }
     }
 
@@ -144,7 +149,8 @@ struct Trial {
     /// The epoch running (its index in the trial's order), if any, since when, and the
     /// thread's CPU time then.
     epoch: Option<(usize, Instant, Duration)>,
-    /// The order of this trial's epochs (rotated after each trial).
+    /// The order of this trial's epochs (the first three rotated after each trial, the
+    /// coalescing one last).
     order: [Regime; REGIMES],
     /// Per regime: work served, wall-clock time, CPU time.
     work: [u64; REGIMES],
@@ -156,6 +162,9 @@ struct Trial {
     kept: u32,
     /// Trials in a row dropped as [`Verdict::Transition`].
     transitions: u32,
+    /// The regimes this worker may run (the polling ones need `--poll-us` above 0, the
+    /// coalescing one `--coalesce-us`); a trial runs an epoch of each.
+    allowed: [bool; REGIMES],
 }
 
 /// The regime to run, from each regime's pace (work per second) and CPU per unit of
@@ -202,19 +211,34 @@ enum Verdict {
 impl Trial {
     /// What the trial just ended says ([`choose`]).
     fn verdict(&self) -> Verdict {
-        if self.work.iter().sum::<u64>() < TRIAL_MIN_WORK || self.work.contains(&0) {
+        let ran = |r: usize| self.allowed[r];
+        if self.work.iter().sum::<u64>() < TRIAL_MIN_WORK
+            || (0..REGIMES).any(|r| ran(r) && self.work[r] == 0)
+        {
             return Verdict::TooLittle;
         }
-        let pace: [f64; REGIMES] =
-            std::array::from_fn(|r| self.work[r] as f64 / self.wall[r].as_secs_f64().max(1e-9));
-        let cost: [f64; REGIMES] =
-            std::array::from_fn(|r| self.cpu[r].as_secs_f64().max(1e-12) / self.work[r] as f64);
+        // A regime not allowed has no pace and an infinite cost: never chosen.
+        let pace: [f64; REGIMES] = std::array::from_fn(|r| {
+            if ran(r) {
+                self.work[r] as f64 / self.wall[r].as_secs_f64().max(1e-9)
+            } else {
+                0.0
+            }
+        });
+        let cost: [f64; REGIMES] = std::array::from_fn(|r| {
+            if ran(r) {
+                self.cpu[r].as_secs_f64().max(1e-12) / self.work[r] as f64
+            } else {
+                f64::INFINITY
+            }
+        });
         // An epoch that served work at a tenth of another's pace most likely saw the
         // guest start or stop (the end of a run, a guest that pauses). A regime that is
         // that much slower (a sleep per request for a guest that answers at once) shows
         // it again in the trial after: the second such trial in a row decides.
         let top = pace.iter().copied().fold(0.0, f64::max);
-        if self.transitions < TRANSITIONS_IN_A_ROW && pace.iter().any(|&p| p * TRANSITION < top) {
+        let slow = (0..REGIMES).any(|r| ran(r) && pace[r] * TRANSITION < top);
+        if self.transitions < TRANSITIONS_IN_A_ROW && slow {
             return Verdict::Transition;
         }
         Verdict::Run(choose(&pace, &cost, self.choice))
@@ -266,12 +290,19 @@ pub(crate) struct Poll {
     idle_periods: u32,
     /// `--poll-us 0`: the last grace spun found work.
     grace: bool,
+    /// `--coalesce-us`: the longest a coalescing sleep leaves kicks off (0: never).
+    coalesce: Duration,
     trial: Trial,
 }
 
 impl Poll {
-    pub(crate) fn new(max_us: u64) -> Poll {
+    pub(crate) fn new(max_us: u64, coalesce_us: u64) -> Poll {
         let max = Duration::from_micros(max_us);
+        let allowed = ALL.map(|r| match r {
+            Regime::Adapt | Regime::Poll => max_us > 0,
+            Regime::Lean => true,
+            Regime::Coalesce => coalesce_us > 0,
+        });
         Poll {
             max,
             cur: max,
@@ -283,6 +314,7 @@ impl Poll {
             until_sample: 0,
             idle_periods: 0,
             grace: false,
+            coalesce: Duration::from_micros(coalesce_us),
             trial: Trial {
                 next_at: Instant::now(),
                 epoch: None,
@@ -290,9 +322,14 @@ impl Poll {
                 work: [0; REGIMES],
                 wall: [Duration::ZERO; REGIMES],
                 cpu: [Duration::ZERO; REGIMES],
-                choice: Regime::Adapt,
+                choice: if max_us > 0 {
+                    Regime::Adapt
+                } else {
+                    Regime::Lean
+                },
                 kept: 0,
                 transitions: 0,
+                allowed,
             },
         }
     }
@@ -302,36 +339,50 @@ impl Poll {
         self.trial.epoch.map(|(i, _, _)| self.trial.order[i])
     }
 
-    /// The last trial's choice (`--poll-us 0`: always the grace), what `vblk stats` shows.
-    pub(crate) fn choice(&self) -> Regime {
-        if self.max.is_zero() {
-            Regime::Lean
-        } else {
-            self.trial.choice
-        }
+    /// Whether trials run: more than one regime is allowed (`--poll-us 0` without
+    /// `--coalesce-us`: only the grace, no trials).
+    fn trials(&self) -> bool {
+        self.trial.allowed.iter().filter(|&&a| a).count() > 1
     }
 
-    /// The regime the worker runs now: the running epoch's, or the last trial's choice
-    /// (`--poll-us 0`: always the grace).
+    /// The last trial's choice (`--poll-us 0` alone: always the grace), what `vblk stats`
+    /// shows.
+    pub(crate) fn choice(&self) -> Regime {
+        self.trial.choice
+    }
+
+    /// The regime the worker runs now: the running epoch's, or the last trial's choice.
     pub(crate) fn regime(&self) -> Regime {
-        if self.max.is_zero() {
-            Regime::Lean
-        } else {
-            self.forced_regime().unwrap_or(self.trial.choice)
-        }
+        self.forced_regime().unwrap_or(self.trial.choice)
+    }
+
+    /// How long the coming sleep may leave kicks off, if the worker coalesces now.
+    pub(crate) fn coalescing(&self) -> Option<Duration> {
+        (self.regime() == Regime::Coalesce).then_some(self.coalesce)
+    }
+
+    /// The first epoch at or after position `from` in the trial's order whose regime is
+    /// allowed.
+    fn epoch_from(&self, from: usize) -> Option<usize> {
+        (from..REGIMES).find(|&i| self.trial.allowed[self.trial.order[i] as usize])
     }
 
     /// Advance the epochs at `now` (called at the end of each busy period); `cpu` reads
     /// this thread's CPU time, at most once per epoch boundary.
     pub(crate) fn tick(&mut self, now: Instant, cpu: impl FnOnce() -> Duration) {
-        if self.max.is_zero() {
+        if !self.trials() {
             return;
         }
+        let first = self.epoch_from(0);
+        let next = self
+            .trial
+            .epoch
+            .and_then(|(i, _, _)| self.epoch_from(i + 1));
         let t = &mut self.trial;
         match t.epoch {
             None if now >= t.next_at => {
                 t.work = [0; REGIMES];
-                t.epoch = Some((0, now, cpu()));
+                t.epoch = first.map(|i| (i, now, cpu()));
             }
             Some((i, began, cpu0)) if now.saturating_duration_since(began) >= EPOCH => {
                 let c = cpu();
@@ -350,12 +401,15 @@ impl Poll {
                 let r = t.order[i] as usize;
                 t.wall[r] = wall;
                 t.cpu[r] = used;
-                if i + 1 < REGIMES {
-                    t.epoch = Some((i + 1, now, c));
+                if let Some(n) = next {
+                    t.epoch = Some((n, now, c));
                 } else {
                     t.epoch = None;
                     let verdict = t.verdict();
-                    t.order.rotate_left(1);
+                    // The coalescing epoch stays last: a guest that waits on its
+                    // completions falls behind in it and catches up after it, which
+                    // would flatter whichever epoch came next.
+                    t.order[..REGIMES - 1].rotate_left(1);
                     match verdict {
                         Verdict::Run(r) => {
                             t.transitions = 0;
@@ -428,6 +482,8 @@ impl Poll {
             // The guest waits for our wake-ups: spin as long as a sleep would cost.
             Regime::Poll => self.bound(),
             Regime::Adapt => self.adaptive_window(),
+            // Sleep at once, without kicks, for up to the coalescing delay.
+            Regime::Coalesce => Duration::ZERO,
         }
     }
 

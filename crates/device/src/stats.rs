@@ -157,6 +157,8 @@ pub(crate) struct WorkerStats {
     /// 0 the adaptive window): the last trial's choice (poll.rs), stored at the end of
     /// each busy period.
     pub poll_regime: AtomicU64,
+    /// Sleeps that left kicks off for at most `--coalesce-us` (poll.rs, coalescing).
+    pub coalesced_sleeps: AtomicU64,
 }
 
 /// The reset fence (fence.rs): requests of stopped queues still out, and how long queues
@@ -209,6 +211,7 @@ pub(crate) fn workers_snapshot(workers: &[Arc<WorkerStats>]) -> Value {
                 "sleep_cost_ns": w.sleep_cost_ns.load(Ordering::Relaxed),
                 "poll_window_ns": w.poll_window_ns.load(Ordering::Relaxed),
                 "poll_regime": crate::poll::Regime::from_u64(w.poll_regime.load(Ordering::Relaxed)).name(),
+                "coalesced_sleeps": w.coalesced_sleeps.load(Ordering::Relaxed),
             })
         })
         .collect();

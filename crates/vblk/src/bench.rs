@@ -19,9 +19,9 @@ use storage::{CacheMode, DiskSpec, EngineKind};
 /// Jobs come from fio job files (`[global]` and named sections; options vblk does not
 /// support are reported once as ignored) and/or the fio-named flags below, which apply to
 /// every job. Targets: the embedded device (default; --disk, --engine, --engine-threads,
-/// --poll-us, --threads, --cache), any vhost-user-blk socket (--socket, --device-pid), or
-/// --baseline: the same job straight on the disk through the engine with no virtio in
-/// between.
+/// --poll-us, --coalesce-us, --threads, --cache), any vhost-user-blk socket (--socket,
+/// --device-pid), or --baseline: the same job straight on the disk through the engine with
+/// no virtio in between.
 ///
 /// Examples:
 ///   vblk bench
@@ -146,6 +146,10 @@ pub struct BenchArgs {
     /// Polling window of the embedded device's workers, µs.
     #[arg(long, value_name = "US", default_value_t = device::config::DEFAULT_POLL_US)]
     pub poll_us: u64,
+    /// How long the embedded device's workers may leave a paced job's requests waiting to
+    /// serve several per wake-up, µs (0: never; `vblk serve --coalesce-us`).
+    #[arg(long, value_name = "US", default_value_t = device::config::DEFAULT_COALESCE_US)]
+    pub coalesce_us: u64,
     /// Worker threads of the embedded device.
     #[arg(long, value_name = "T", default_value_t = 1)]
     pub threads: usize,
@@ -369,6 +373,7 @@ impl TryFrom<&BenchArgs> for Plan {
         } else {
             let mut e = plan::embedded_defaults();
             e.daemon.poll_us = a.poll_us;
+            e.daemon.coalesce_us = a.coalesce_us;
             e.daemon.threads = a.threads;
             e.device = device::DeviceConfig {
                 disk: a.disk.clone(),

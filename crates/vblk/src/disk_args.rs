@@ -281,6 +281,7 @@ fn parse_qcow2_cache(s: &str) -> Result<u64, String> {
 pub const DAEMON_KEYS: &[&str] = &[
     "threads",
     "poll-us",
+    "coalesce-us",
     "cpus",
     "control-socket",
     "socket-group",

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser};
-use device::config::DEFAULT_POLL_US;
+use device::config::{DEFAULT_COALESCE_US, DEFAULT_POLL_US};
 use device::{Controls, DaemonConfig, Listen, ServedDisk};
 
 use crate::disk_args::{
@@ -65,7 +65,7 @@ pub struct ServeArgs {
     pub disks: Vec<String>,
 
     /// Read the daemon's flags and its disks from this TOML file (top level: threads,
-    /// poll-us, cpus, control-socket, socket-group, seccomp, landlock, nbd-ports; one
+    /// poll-us, coalesce-us, cpus, control-socket, socket-group, seccomp, landlock, nbd-ports; one
     /// `[group.NAME]` table of limits per throttle group; one `[[disk]]` table per disk
     /// with the disk flags' names as keys, `throttle = { iops-total = 2000 }` for its
     /// limits). A flag given both here and on the command line is refused.
@@ -110,11 +110,22 @@ pub struct DaemonArgs {
     /// nothing, and drops to a thirty-second of its bound while polling costs more CPU per
     /// request than sleeping (a paced or slow load). Every 1-4 s (100 ms after a trial
     /// that could not tell) the worker tries 10 ms each of the full window, the adaptive
-    /// one and the grace alone, and keeps the one that costs the least CPU per request
+    /// one and the grace alone (and coalescing, with --coalesce-us), and keeps the one that costs the least CPU per request
     /// unless another makes the guest faster by at least 1.2x and by as much as it costs:
     /// `vblk stats` shows the figures and the choice.
     #[arg(long, value_name = "US", default_value_t = DEFAULT_POLL_US)]
     pub poll_us: u64,
+
+    /// Let a paced guest's requests wait up to this many microseconds so that one wake-up
+    /// of the worker serves several (0: never). With it the worker's trials add a fourth
+    /// regime: after a busy period it sleeps with the guest's kicks still off for up to
+    /// US µs, serves what came, and goes on so while that finds work; a sleep that finds
+    /// nothing re-arms kicks. It is kept only while it costs the least CPU per request
+    /// and the guest goes as fast (a guest waiting on each completion is faster with kicks,
+    /// and the trial drops it). Its price is latency: up to US µs per request, half on
+    /// average. At most 1000.
+    #[arg(long, value_name = "US", default_value_t = DEFAULT_COALESCE_US)]
+    pub coalesce_us: u64,
 
     /// Run worker thread t on CPU LIST[t % len] (e.g. 2,3 or 4-7) [default: not pinned].
     #[arg(long, value_name = "LIST")]
@@ -222,6 +233,7 @@ impl DaemonArgs {
         DaemonConfig {
             threads: self.threads,
             poll_us: self.poll_us,
+            coalesce_us: self.coalesce_us,
             cpus: self.cpus.map(|c| c.0).unwrap_or_default(),
             control_socket: self.control_socket,
             control_access: device::socket_file::SocketAccess {
@@ -328,6 +340,7 @@ fn merge_daemon(
         match key.as_str() {
             "threads" => base.threads = file.threads,
             "poll-us" => base.poll_us = file.poll_us,
+            "coalesce-us" => base.coalesce_us = file.coalesce_us,
             "cpus" => base.cpus = file.cpus.clone(),
             "control-socket" => base.control_socket = file.control_socket.clone(),
             "socket-group" => base.socket_group = file.socket_group.clone(),
@@ -781,6 +794,7 @@ mod tests {
             r#"
 threads = 2
 poll-us = 50
+coalesce-us = 30
 control-socket = "/run/vblk/control.sock"
 
 [[disk]]
@@ -799,7 +813,7 @@ cache = "none"
         .unwrap();
         let p = path.to_str().unwrap();
         let (d, disks) = plan_of(&["--config", p]).unwrap();
-        assert_eq!((d.threads, d.poll_us), (2, 50));
+        assert_eq!((d.threads, d.poll_us, d.coalesce_us), (2, 50, 30));
         assert_eq!(d.control_socket, Some("/run/vblk/control.sock".into()));
         assert_eq!(disks.len(), 2);
         assert_eq!(disks[0].id, "vm1");

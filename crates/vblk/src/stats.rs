@@ -207,9 +207,19 @@ fn print_workers(v: &Value) {
                     "; only a grace of a few µs (polling cost more CPU per request than it bought)"
                 }
                 Some("lean") => "; only a grace of a few µs",
+                Some("coalesce") => {
+                    "; coalescing: sleeps with kicks off for up to --coalesce-us (the last trial found it cheapest at the same pace)"
+                }
                 _ => "",
             }
         );
+        let coalesced = u(&w["coalesced_sleeps"]);
+        if coalesced > 0 {
+            println!(
+                "worker {}: {coalesced} of its sleeps left kicks off for up to --coalesce-us",
+                u(&w["worker"])
+            );
+        }
     }
 }
 

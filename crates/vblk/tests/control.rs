@@ -194,6 +194,62 @@ fn a_worker_that_sleeps_measures_the_cost_and_narrows_its_window() {
     });
 }
 
+/// `--coalesce-us`: the worker's trials try sleeping with the guest's kicks off (the
+/// sleeps are counted), the guest's paced, verified I/O all completes correctly through
+/// them (kicks off: only the coalescing sleep's deadline wakes the worker for it), and the
+/// worker thread's timer slack is set under the sandbox's seccomp filter (a refused
+/// prctl would kill the daemon). Out of range, the flag is refused naming its bound.
+#[test]
+fn coalescing_sleeps_leave_kicks_off_and_lose_nothing() {
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("control-coalesce");
+        let img = image(dir.path(), 16 * MIB);
+        let ctl = dir.path().join("vblk.ctl");
+        let d = serve(
+            dir.path(),
+            &img,
+            &[
+                "--control-socket",
+                ctl.to_str().unwrap(),
+                "--coalesce-us",
+                "200",
+            ],
+        );
+        let out = Command::new(env!("CARGO_BIN_EXE_vblk"))
+            .args(["bench", "--socket", d.socket.to_str().unwrap()])
+            .args(["--rw=randrw", "--bs=4k", "--iodepth=16", "--size=16m"])
+            .args(["--rate_iops=10000,10000", "--verify=crc32c"])
+            .args(["--runtime=2", "--time_based"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "the verified job failed: {text}");
+        let (ok, json) = vblk_stats(&[ctl.to_str().unwrap(), "--json"]);
+        assert!(ok, "{json}");
+        let v: Value = serde_json::from_str(&json).unwrap();
+        let w = &v["workers"][0];
+        assert!(
+            w["coalesced_sleeps"].as_u64().unwrap() > 0,
+            "every trial runs an epoch of coalescing: {w}"
+        );
+        let (ok, text) = vblk_stats(&[ctl.to_str().unwrap()]);
+        assert!(ok && text.contains("left kicks off"), "{text}");
+        let out = Command::new(env!("CARGO_BIN_EXE_vblk"))
+            .args(["serve", "--socket-path"])
+            .arg(dir.path().join("x.sock"))
+            .args(["--blk-file", "null:1M", "--coalesce-us", "1001"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(
+            err.contains("--coalesce-us 1001: must be at most 1000"),
+            "{err}"
+        );
+    });
+}
+
 /// SIGTERM with requests in flight: they finish and are answered, the disk is flushed,
 /// the socket the daemon made is removed, and it exits 0.
 #[test]

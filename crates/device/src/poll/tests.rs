@@ -6,7 +6,7 @@ const US: Duration = Duration::from_micros(1);
 
 #[test]
 fn window_adapts_within_the_ceiling_before_any_sleep_is_measured() {
-    let mut p = Poll::new(320);
+    let mut p = Poll::new(320, 0);
     for _ in 0..10 {
         p.miss();
     }
@@ -21,7 +21,7 @@ fn window_adapts_within_the_ceiling_before_any_sleep_is_measured() {
 
 #[test]
 fn poll_zero_spins_only_a_grace_while_it_finds_work_and_never_measures() {
-    let mut off = Poll::new(0);
+    let mut off = Poll::new(0, 0);
     off.idle();
     assert_eq!(off.window(), Duration::ZERO, "no grace before one has hit");
     off.hit(US);
@@ -49,7 +49,7 @@ fn poll_zero_spins_only_a_grace_while_it_finds_work_and_never_measures() {
 
 #[test]
 fn the_window_never_exceeds_what_a_sleep_costs() {
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     assert_eq!(p.window(), 200 * US);
     p.slept(8 * US);
     assert_eq!(p.sleep_cost(), Some(8 * US));
@@ -76,14 +76,14 @@ fn the_window_never_exceeds_what_a_sleep_costs() {
 
 #[test]
 fn a_cheap_ceiling_stays_the_bound_when_sleeps_cost_more() {
-    let mut p = Poll::new(5);
+    let mut p = Poll::new(5, 0);
     p.slept(40 * US);
     assert_eq!(p.window(), 5 * US);
 }
 
 #[test]
 fn the_sleep_cost_is_a_running_average() {
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     p.slept(16 * US);
     p.slept(32 * US);
     assert_eq!(p.sleep_cost(), Some(18 * US), "moves an eighth of the way");
@@ -125,7 +125,7 @@ fn misses(p: &mut Poll, n: usize, cost: Duration, work: u64) {
 fn polling_pays_when_requests_come_back_sooner_than_a_sleep_costs() {
     // QD1 at saturation: the next request comes 1 µs after the completion; a sleep
     // costs 10 µs and serves one request.
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     misses(&mut p, 4, 10 * US, 1);
     hits(&mut p, 40, US, 1);
     assert!(p.pays());
@@ -136,7 +136,7 @@ fn polling_pays_when_requests_come_back_sooner_than_a_sleep_costs() {
 fn polling_stops_when_a_wake_up_serves_many_requests_at_once() {
     // 500 k IOPS offered: requests 2 µs apart, one per hit, while a 10 µs sleep finds
     // twenty waiting.
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     misses(&mut p, 4, 10 * US, 20);
     hits(&mut p, 40, 2 * US, 1);
     assert!(!p.pays());
@@ -164,7 +164,7 @@ fn polling_stops_when_a_wake_up_serves_many_requests_at_once() {
 fn polling_pays_at_saturation_where_a_spin_finds_a_whole_batch() {
     // QD32 at saturation: a spin of 2 µs finds the driver's refill of 32 requests; a
     // sleep would find the same 32 at 10 µs.
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     misses(&mut p, 4, 10 * US, 32);
     hits(&mut p, 40, 2 * US, 32);
     assert!(p.pays());
@@ -173,7 +173,7 @@ fn polling_pays_at_saturation_where_a_spin_finds_a_whole_batch() {
 #[test]
 fn windows_that_run_out_shrink_to_the_floor() {
     // A slow disk or an idle guest: nothing comes within the window.
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     misses(&mut p, 40, 8 * US, 2);
     assert!(!p.pays());
     while !p.window().is_zero() {
@@ -195,7 +195,11 @@ fn trial(p: &mut Poll, t0: Instant, of: impl Fn(Regime) -> (u64, Duration)) -> I
     assert!(p.forced_regime().is_some(), "a trial begins");
     let mut t = t0;
     let mut seen = vec![];
-    for _ in 0..REGIMES {
+    let allowed: Vec<Regime> = ALL
+        .into_iter()
+        .filter(|&r| p.trial.allowed[r as usize])
+        .collect();
+    for _ in 0..allowed.len() {
         let r = p.forced_regime().unwrap();
         seen.push(r);
         assert_eq!(p.regime(), r);
@@ -208,6 +212,17 @@ fn trial(p: &mut Poll, t0: Instant, of: impl Fn(Regime) -> (u64, Duration)) -> I
                 "the lean epoch spins at most the grace"
             ),
             Regime::Adapt => assert_eq!(p.window(), p.adaptive_window()),
+            Regime::Coalesce => {
+                assert!(p.window().is_zero(), "the coalescing epoch never spins");
+                assert!(p.coalescing().is_some(), "and sleeps with kicks off");
+            }
+        }
+        if r != Regime::Coalesce {
+            assert_eq!(
+                p.coalescing(),
+                None,
+                "only the coalescing regime leaves kicks off"
+            );
         }
         let (work, used) = of(r);
         p.busy(work);
@@ -216,7 +231,7 @@ fn trial(p: &mut Poll, t0: Instant, of: impl Fn(Regime) -> (u64, Duration)) -> I
         p.tick(t, || cpu);
     }
     seen.sort_by_key(|r| *r as usize);
-    assert_eq!(seen, ALL, "one epoch of each regime");
+    assert_eq!(seen, allowed, "one epoch of each regime allowed");
     assert!(p.forced_regime().is_none(), "the trial is over");
     t
 }
@@ -225,7 +240,7 @@ const MS: Duration = Duration::from_millis(1);
 
 #[test]
 fn trials_choose_polling_for_a_guest_that_waits_for_wake_ups() {
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     misses(&mut p, 8, 5 * US, 32);
     hits(&mut p, 8, 4 * US, 8);
     assert!(!p.pays(), "by CPU per request, sleeping is cheaper");
@@ -236,6 +251,7 @@ fn trials_choose_polling_for_a_guest_that_waits_for_wake_ups() {
         Regime::Poll => (44_000, 10 * MS),
         Regime::Adapt => (20_000, 8 * MS),
         Regime::Lean => (15_000, 6 * MS),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Poll);
     assert_eq!(p.window(), p.bound(), "the window is the bound");
@@ -245,12 +261,13 @@ fn trials_choose_polling_for_a_guest_that_waits_for_wake_ups() {
 fn trials_choose_the_grace_for_a_paced_guest_where_polling_costs_more() {
     // 100 k IOPS offered, requests 10 µs apart: every regime serves the same work;
     // the adaptive window's spins cost more than the wake-ups they save.
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     p.slept(8 * US);
     let t = trial(&mut p, Instant::now(), |r| match r {
         Regime::Poll => (1_000, 10 * MS),
         Regime::Adapt => (1_000, 2_300 * US),
         Regime::Lean => (1_000, 1_900 * US),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Lean);
     p.idle();
@@ -265,6 +282,7 @@ fn trials_choose_the_grace_for_a_paced_guest_where_polling_costs_more() {
         Regime::Poll => (44_000, 10 * MS),
         Regime::Adapt => (40_000, 10 * MS),
         Regime::Lean => (15_000, 6 * MS),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Poll);
 }
@@ -272,11 +290,12 @@ fn trials_choose_the_grace_for_a_paced_guest_where_polling_costs_more() {
 #[test]
 fn trials_never_buy_a_few_percent_of_pace_with_a_multiple_of_the_cpu() {
     // A disk that bounds the pace: polling would spin a whole CPU for 5 % more.
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     trial(&mut p, Instant::now(), |r| match r {
         Regime::Poll => (1_050, 10 * MS),
         Regime::Adapt => (1_000, 3_500 * US),
         Regime::Lean => (1_000, 3 * MS),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Lean);
 }
@@ -285,11 +304,12 @@ fn trials_never_buy_a_few_percent_of_pace_with_a_multiple_of_the_cpu() {
 fn trials_keep_the_adaptive_window_where_it_is_cheapest_and_ride_out_noise() {
     // RAM disk at QD32: every regime uses the whole CPU; the adaptive window serves
     // 14 % more than the grace and as much as polling.
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     let t = trial(&mut p, Instant::now(), |r| match r {
         Regime::Poll => (12_400, 10 * MS),
         Regime::Adapt => (12_600, 10 * MS),
         Regime::Lean => (11_100, 10 * MS),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Adapt);
     // Polling now measures 2 % cheaper: within noise, the choice stays. (It was the
@@ -298,17 +318,19 @@ fn trials_keep_the_adaptive_window_where_it_is_cheapest_and_ride_out_noise() {
         Regime::Poll => (12_850, 10 * MS),
         Regime::Adapt => (12_600, 10 * MS),
         Regime::Lean => (11_100, 10 * MS),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Adapt);
 }
 
 #[test]
 fn a_trial_that_sees_the_guest_start_or_stop_decides_nothing() {
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     let t = trial(&mut p, Instant::now(), |r| match r {
         Regime::Poll => (44_000, 10 * MS),
         Regime::Adapt => (40_000, 10 * MS),
         Regime::Lean => (15_000, 6 * MS),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Poll);
     // The run ends during the polling epoch: it serves a trickle, which read as a pace
@@ -317,6 +339,7 @@ fn a_trial_that_sees_the_guest_start_or_stop_decides_nothing() {
         Regime::Poll => (200, 10 * US),
         Regime::Adapt => (40_000, 10 * MS),
         Regime::Lean => (15_000, 6 * MS),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Poll, "the choice stands");
     // Another trial comes soon. The same again, a second time in a row, is no guest
@@ -325,6 +348,7 @@ fn a_trial_that_sees_the_guest_start_or_stop_decides_nothing() {
         Regime::Poll => (200, 10 * US),
         Regime::Adapt => (40_000, 10 * MS),
         Regime::Lean => (15_000, 6 * MS),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Adapt);
 }
@@ -332,11 +356,12 @@ fn a_trial_that_sees_the_guest_start_or_stop_decides_nothing() {
 #[test]
 fn a_faster_regime_is_chosen_when_its_gain_in_pace_covers_its_cost_and_not_otherwise() {
     // A guest limited by its depth: polling 2.9x the pace for 1.7x the CPU per request.
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     let t = trial(&mut p, Instant::now(), |r| match r {
         Regime::Poll => (44_000, 10 * MS),
         Regime::Adapt => (15_000, 2_500 * US),
         Regime::Lean => (15_000, 2 * MS),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Poll);
     // 1.5x the pace for 2x the CPU per request: not worth it, the cheapest wins.
@@ -344,13 +369,14 @@ fn a_faster_regime_is_chosen_when_its_gain_in_pace_covers_its_cost_and_not_other
         Regime::Poll => (22_500, 6 * MS),
         Regime::Adapt => (15_000, 2_500 * US),
         Regime::Lean => (15_000, 2 * MS),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Lean);
 }
 
 #[test]
 fn the_running_regime_stays_while_it_pays_and_is_within_a_few_percent_of_the_fastest() {
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     p.trial.choice = Regime::Poll;
     // Saturation: polling and the adaptive window both pay for themselves against the
     // cheaper grace, the adaptive window 2 % faster this trial.
@@ -358,6 +384,7 @@ fn the_running_regime_stays_while_it_pays_and_is_within_a_few_percent_of_the_fas
         Regime::Poll => (40_000, 10 * MS),
         Regime::Adapt => (40_800, 10 * MS),
         Regime::Lean => (15_000, 3 * MS),
+        Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Poll, "noise does not flip it");
     assert_eq!(p.trial.kept, 1, "and the trials space out");
@@ -365,9 +392,9 @@ fn the_running_regime_stays_while_it_pays_and_is_within_a_few_percent_of_the_fas
 
 #[test]
 fn an_epoch_that_spans_an_idle_spell_is_dropped_and_the_choice_stands() {
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     p.trial.choice = Regime::Lean;
-    p.trial.order = [Regime::Poll, Regime::Lean, Regime::Adapt];
+    p.trial.order = [Regime::Poll, Regime::Lean, Regime::Adapt, Regime::Coalesce];
     let t0 = Instant::now();
     p.tick(t0, || 1000 * MS);
     assert!(p.forced_regime().is_some());
@@ -395,14 +422,19 @@ fn an_epoch_that_spans_an_idle_spell_is_dropped_and_the_choice_stands() {
 
 #[test]
 fn trials_space_out_while_the_choice_holds_and_never_run_with_polling_off() {
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     let t0 = Instant::now();
     let first = p.trial.order;
     let same = |_| (1_000, MS);
     let mut t = trial(&mut p, t0, same);
     let mut rotated = first;
-    rotated.rotate_left(1);
+    rotated[..REGIMES - 1].rotate_left(1);
     assert_eq!(p.trial.order, rotated, "the order rotates");
+    assert_eq!(
+        p.trial.order[REGIMES - 1],
+        Regime::Coalesce,
+        "the coalescing epoch stays last"
+    );
     // The choice (the adaptive window, all equal) holds: 2 s, then 4 s, then 4 s.
     for gap in [2, 4, 4] {
         let next = t + TRIAL_EVERY * gap;
@@ -423,7 +455,7 @@ fn trials_space_out_while_the_choice_holds_and_never_run_with_polling_off() {
     assert!(p.forced_regime().is_none());
     p.tick(t + TRIAL_RETRY, || Duration::ZERO);
     assert!(p.forced_regime().is_some(), "retried soon");
-    let mut off = Poll::new(0);
+    let mut off = Poll::new(0, 0);
     off.tick(t0 + 10 * TRIAL_EVERY, || Duration::ZERO);
     assert!(off.forced_regime().is_none());
     assert_eq!(off.regime(), Regime::Lean);
@@ -433,7 +465,51 @@ fn trials_space_out_while_the_choice_holds_and_never_run_with_polling_off() {
 
 #[test]
 fn one_sleep_in_sample_every_is_measured() {
-    let mut p = Poll::new(200);
+    let mut p = Poll::new(200, 0);
     let due = (0..SAMPLE_EVERY * 4).filter(|_| p.sample_due()).count();
     assert_eq!(due, 4);
+}
+
+#[test]
+fn trials_coalesce_a_paced_guest_when_allowed_and_cheapest_and_drop_it_at_qd1() {
+    // 100 k IOPS offered at QD32 (as measured here): every regime serves the same work;
+    // the grace costs 31 % of a CPU, sleeping 20 µs with kicks off 22 %.
+    let mut p = Poll::new(200, 20);
+    let t = trial(&mut p, Instant::now(), |r| match r {
+        Regime::Poll => (1_000, 10 * MS),
+        Regime::Adapt => (1_000, 3_300 * US),
+        Regime::Lean => (1_000, 3_100 * US),
+        Regime::Coalesce => (1_000, 2_200 * US),
+    });
+    assert_eq!(p.choice(), Regime::Coalesce);
+    assert_eq!(p.coalescing(), Some(20 * US));
+    p.idle();
+    assert!(p.window().is_zero(), "no spin before a coalescing sleep");
+    // The guest turns to QD1: each request waits out the coalescing sleep, and the grace
+    // serves nearly four times as many.
+    trial(&mut p, t + TRIAL_EVERY, |r| match r {
+        Regime::Poll => (1_700, 10 * MS),
+        Regime::Adapt => (1_600, 9 * MS),
+        Regime::Lean => (1_500, 6 * MS),
+        Regime::Coalesce => (400, 2 * MS),
+    });
+    assert_eq!(p.choice(), Regime::Lean);
+    assert_eq!(
+        p.coalescing(),
+        None,
+        "kicks are re-armed before every sleep"
+    );
+}
+
+#[test]
+fn with_polling_off_coalescing_is_tried_against_the_grace_alone() {
+    let mut p = Poll::new(0, 50);
+    assert_eq!(p.regime(), Regime::Lean, "the grace until a trial decides");
+    trial(&mut p, Instant::now(), |r| match r {
+        Regime::Lean => (1_000, 3 * MS),
+        Regime::Coalesce => (1_000, 2 * MS),
+        _ => unreachable!("polling is off"),
+    });
+    assert_eq!(p.choice(), Regime::Coalesce);
+    assert_eq!(p.coalescing(), Some(50 * US));
 }

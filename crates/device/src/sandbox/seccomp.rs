@@ -11,7 +11,8 @@
 //! - `clone`: threads only (CLONE_THREAD); `clone3` answers ENOSYS (its flags are in
 //!   memory, where seccomp cannot look), so glibc falls back to `clone`;
 //! - `mmap`, `mprotect`: never PROT_EXEC (no code is loaded after set-up);
-//! - `prctl`: naming threads only.
+//! - `prctl`: naming threads, and a worker thread's timer slack (its timed sleeps end
+//!   within a µs of their deadline, not the default 50 µs after it).
 //!
 //! What a call outside the list does ([`SeccompMode`]): `kill` ends the process
 //! (SECCOMP_RET_KILL_PROCESS, the default), `trap` reports the call and the thread's name
@@ -247,10 +248,14 @@ fn allow_list(needs: &Needs, mismatch: SeccompAction) -> Result<BpfProgram, Sand
     }
     rules.insert(
         libc::SYS_prctl,
-        [libc::PR_SET_NAME, libc::PR_GET_NAME]
-            .iter()
-            .map(|&op| rule(vec![cond(0, SeccompCmpOp::Eq, op as u64)?]))
-            .collect::<Result<_, _>>()?,
+        [
+            libc::PR_SET_NAME,
+            libc::PR_GET_NAME,
+            libc::PR_SET_TIMERSLACK,
+        ]
+        .iter()
+        .map(|&op| rule(vec![cond(0, SeccompCmpOp::Eq, op as u64)?]))
+        .collect::<Result<_, _>>()?,
     );
     let arch = TargetArch::x86_64;
     SeccompFilter::new(rules, mismatch, SeccompAction::Allow, arch)

@@ -26,6 +26,8 @@ pub(crate) struct PoolConfig {
     pub cpus: Vec<usize>,
     /// The polling window's ceiling, µs (0: never spin).
     pub poll_us: u64,
+    /// The longest a coalescing sleep leaves kicks off, µs (0: never coalesce).
+    pub coalesce_us: u64,
 }
 
 struct ThreadHandle {
@@ -74,7 +76,7 @@ impl Pool {
                 inbox: inbox.clone(),
                 workers: Vec::new(),
                 next_key: 0,
-                poll: Poll::new(config.poll_us),
+                poll: Poll::new(config.poll_us, config.coalesce_us),
                 pin: (!config.cpus.is_empty()).then(|| config.cpus[t % config.cpus.len()]),
                 stats: stats.clone(),
                 reaper: to_reaper.clone(),
