@@ -33,9 +33,10 @@
 //!   own, so spins that each find one request of a paced guest cost more than they
 //!   save (at 100 k IOPS offered the adaptive window spent 2.37 µs of CPU per request
 //!   where the grace alone spent 1.83). So every [`TRIAL_EVERY`] the worker runs a trial:
-//!   one epoch of [`EPOCH`] in each of three regimes, in rotating order: *poll* (the
+//!   one epoch of [`EPOCH`] in each regime the flags allow, in rotating order: *poll* (the
 //!   window at its bound), *adapt* (the window below, under the CPU rule) and *lean*
-//!   (only `--poll-us 0`'s grace, below). It compares the work served per second and
+//!   (only `--poll-us 0`'s grace, below), and last, with `--coalesce-us`, *coalesce* (no
+//!   spin, then a sleep with kicks off: see [`Regime::Coalesce`]). It compares the work served per second and
 //!   the CPU time per unit of work, and keeps until the next trial the regime that costs
 //!   the least CPU per unit of work, unless another brought work at least [`GAIN_MIN`]
 //!   times as fast and its gain in pace is at least its cost in CPU per unit of work
@@ -54,7 +55,8 @@
 //! `--poll-us` is the ceiling. Until the first sleep has been measured the ceiling alone
 //! bounds the window.
 //!
-//! `--poll-us 0` has no window, only a grace of [`GRACE`] (a few µs): at QD1 a driver
+//! `--poll-us 0` has no window, only a grace of [`GRACE`] (a few µs), and no trials
+//! unless `--coalesce-us` gives the grace something to be tried against: at QD1 a driver
 //! that watches its used ring answers a completion within one or two microseconds, and
 //! a worker that slept at once made it pay a cross-core wake-up (tens of µs on a nested
 //! VM) per request. qemu-storage-daemon's main loop, which never polls, is kept awake
@@ -104,12 +106,17 @@ const TRANSITIONS_IN_A_ROW: u32 = 1;
 const TRIAL_MIN_WORK: u64 = 64;
 const TRIAL_RETRY: Duration = Duration::from_millis(100);
 
+/// A testing aid: a worker thread runs only the regime this names (`poll`, `adapt`,
+/// `lean`, `coalesce`) and no trials, if the flags allow it, so that a test can see one
+/// regime's behaviour without depending on what the trials would measure.
+pub const PIN_REGIME_ENV: &str = "VBLK_TEST_POLL_REGIME";
+
 /// How a worker spends its idle periods; a trial runs an epoch of each and the worker
 /// keeps the one it chose until the next trial.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Regime {
-    /// The adaptive window under the CPU rule (the choice until a trial has decided; 0,
-    /// the statistics' zero value).
+    /// The adaptive window under the CPU rule (the choice until a trial has decided,
+    /// unless `--poll-us 0` makes it the grace; 0, the statistics' zero value).
     Adapt = 0,
     /// Spin the whole window (the bound) in every idle period.
     Poll = 1,
@@ -337,6 +344,22 @@ impl Poll {
     /// The regime the running epoch forces, if one runs.
     fn forced_regime(&self) -> Option<Regime> {
         self.trial.epoch.map(|(i, _, _)| self.trial.order[i])
+    }
+
+    /// Run `regime` alone, without trials ([`PIN_REGIME_ENV`]); false, and nothing
+    /// changed, if the flags do not allow it.
+    pub(crate) fn pin(&mut self, regime: Regime) -> bool {
+        if !self.trial.allowed[regime as usize] {
+            return false;
+        }
+        self.trial.allowed = ALL.map(|r| r == regime);
+        self.trial.choice = regime;
+        true
+    }
+
+    /// The regime named `name` (what `vblk stats` shows).
+    pub(crate) fn regime_named(name: &str) -> Option<Regime> {
+        ALL.into_iter().find(|r| r.name() == name)
     }
 
     /// Whether trials run: more than one regime is allowed (`--poll-us 0` without

@@ -117,13 +117,15 @@ pub struct DaemonArgs {
     pub poll_us: u64,
 
     /// Let a paced guest's requests wait up to this many microseconds so that one wake-up
-    /// of the worker serves several (0: never). With it the worker's trials add a fourth
-    /// regime: after a busy period it sleeps with the guest's kicks still off for up to
-    /// US µs, serves what came, and goes on so while that finds work; a sleep that finds
-    /// nothing re-arms kicks. It is kept only while it costs the least CPU per request
-    /// and the guest goes as fast (a guest waiting on each completion is faster with kicks,
-    /// and the trial drops it). Its price is latency: up to US µs per request, half on
-    /// average. At most 1000.
+    /// of the worker serves several (0: never). With it the worker's trials (see
+    /// --poll-us) try one more regime: after a busy period the worker sleeps with the
+    /// guest's kicks still off for up to US µs, serves what came, and goes on so while
+    /// that finds work; a sleep that finds nothing re-arms kicks. It is kept by the same
+    /// rule as the others: while it costs the least CPU per request, unless another makes
+    /// the guest faster by at least 1.2x and by as much as it costs (a guest waiting on
+    /// each completion is several times faster with kicks). Its price is latency: up to
+    /// US µs per request, and all of it for a guest that waits for completions before it
+    /// sends more (fio's pacing does). At most 1000.
     #[arg(long, value_name = "US", default_value_t = DEFAULT_COALESCE_US)]
     pub coalesce_us: u64,
 

@@ -208,7 +208,7 @@ fn print_workers(v: &Value) {
                 }
                 Some("lean") => "; only a grace of a few µs",
                 Some("coalesce") => {
-                    "; coalescing: sleeps with kicks off for up to --coalesce-us (the last trial found it cheapest at the same pace)"
+                    "; coalescing: sleeps with kicks off for up to --coalesce-us (the last trial found it the cheapest per request, and no other regime made the guest enough faster to pay)"
                 }
                 _ => "",
             }

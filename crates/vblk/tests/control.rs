@@ -205,20 +205,26 @@ fn coalescing_sleeps_leave_kicks_off_and_lose_nothing() {
         let dir = temp_dir("control-coalesce");
         let img = image(dir.path(), 16 * MIB);
         let ctl = dir.path().join("vblk.ctl");
-        let d = serve(
-            dir.path(),
-            &img,
-            &[
-                "--control-socket",
-                ctl.to_str().unwrap(),
-                "--coalesce-us",
-                "200",
-            ],
+        // Coalescing alone (poll::PIN_REGIME_ENV): whether the trials would choose it is
+        // their business (poll.rs's tests); here the worker coalesces throughout.
+        let d = Daemon::start(
+            Backend::Vblk,
+            "vblk",
+            &Export::new(&img, 1)
+                .args(&[
+                    "--control-socket",
+                    ctl.to_str().unwrap(),
+                    "--coalesce-us",
+                    "200",
+                ])
+                .env("VBLK_TEST_POLL_REGIME", "coalesce"),
+            &dir.path().join("vblk.sock"),
+            &dir.path().join("vblk.log"),
         );
         let out = Command::new(env!("CARGO_BIN_EXE_vblk"))
             .args(["bench", "--socket", d.socket.to_str().unwrap()])
             .args(["--rw=randrw", "--bs=4k", "--iodepth=16", "--size=16m"])
-            .args(["--rate_iops=10000,10000", "--verify=crc32c"])
+            .args(["--rate_iops=25000,25000", "--verify=crc32c"])
             .args(["--runtime=2", "--time_based"])
             .output()
             .unwrap();
@@ -229,12 +235,35 @@ fn coalescing_sleeps_leave_kicks_off_and_lose_nothing() {
         assert!(ok, "{json}");
         let v: Value = serde_json::from_str(&json).unwrap();
         let w = &v["workers"][0];
-        assert!(
-            w["coalesced_sleeps"].as_u64().unwrap() > 0,
-            "every trial runs an epoch of coalescing: {w}"
-        );
+        assert_eq!(w["poll_regime"], "coalesce", "{w}");
+        let n = |w: &Value, f: &str| w[f].as_u64().unwrap();
+        assert!(n(w, "coalesced_sleeps") > 0, "{w}");
         let (ok, text) = vblk_stats(&[ctl.to_str().unwrap()]);
         assert!(ok && text.contains("left kicks off"), "{text}");
+        // A guest that goes idle: a coalescing sleep that finds nothing re-arms kicks and
+        // the worker sleeps until woken (a worker that kept sleeping 200 µs at a time
+        // would count about 1,500 sleeps in 300 ms).
+        let disk = Disk::attach(&d.socket, &opts()).unwrap();
+        let mut q = disk.take_queue(0).unwrap();
+        let mut buf = vec![0u8; 4096];
+        for i in 0..8u64 {
+            q.read_at(i * 4096, &mut buf).unwrap();
+        }
+        let sleeps = || {
+            let (ok, json) = vblk_stats(&[ctl.to_str().unwrap(), "--json"]);
+            assert!(ok, "{json}");
+            let v: Value = serde_json::from_str(&json).unwrap();
+            v["workers"][0].clone()
+        };
+        let before = sleeps();
+        std::thread::sleep(Duration::from_millis(300));
+        let after = sleeps();
+        assert!(
+            n(&after, "sleeps") - n(&before, "sleeps") < 50,
+            "an idle guest: the worker sleeps until woken: {before} then {after}"
+        );
+        drop(q);
+        drop(disk);
         let out = Command::new(env!("CARGO_BIN_EXE_vblk"))
             .args(["serve", "--socket-path"])
             .arg(dir.path().join("x.sock"))

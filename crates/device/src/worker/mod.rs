@@ -8,7 +8,8 @@
 //! submits, reaps finished operations, writes their status bytes, publishes each queue's
 //! completions with one used-index store and signals each queue at most once. Passes
 //! repeat while there is work, then for the polling window; then kicks are re-armed and the
-//! worker sleeps in epoll until a kick, an engine completion or a mailbox message. A
+//! worker sleeps in epoll until a kick, an engine completion or a mailbox message (or,
+//! coalescing, sleeps first with kicks still off for up to `--coalesce-us`: poll.rs). A
 //! worker never sleeps with work queued in its engine (it retries every millisecond) or
 //! with chains it could pop.
 //!

@@ -9,12 +9,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use log::error;
+use log::{error, warn};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
-use super::thread::{Inbox, WorkerThread, INBOX_KEY};
+use super::thread::{precise_waits, Inbox, WorkerThread, INBOX_KEY};
 use super::{Worker, WorkerHandle};
-use crate::poll::Poll;
+use crate::poll::{Poll, PIN_REGIME_ENV};
 use crate::stats::WorkerStats;
 
 /// How the pool's threads run.
@@ -61,6 +61,8 @@ impl Pool {
             stats: Vec::new(),
             reaper: Some(reaper),
         };
+        let mut coalesce_us = config.coalesce_us;
+        let pinned = std::env::var(PIN_REGIME_ENV).ok();
         for t in 0..config.threads.max(1) {
             let inbox = Arc::new(Inbox::new()?);
             let epoll = Arc::new(Epoll::new()?);
@@ -69,6 +71,21 @@ impl Pool {
                 inbox.efd.as_raw_fd(),
                 EpollEvent::new(EventSet::IN, u64::from(INBOX_KEY) << 32),
             )?;
+            if coalesce_us > 0 && !precise_waits(&epoll) {
+                // epoll_wait's timeouts are whole milliseconds: a coalescing sleep would
+                // hold requests for 1 ms, not the microseconds asked for.
+                warn!(
+                    "--coalesce-us {coalesce_us}: this kernel has no epoll_pwait2 (Linux 5.11), so a worker cannot sleep for microseconds; coalescing is off"
+                );
+                coalesce_us = 0;
+            }
+            let mut poll = Poll::new(config.poll_us, coalesce_us);
+            if let Some(name) = &pinned {
+                match Poll::regime_named(name) {
+                    Some(r) if poll.pin(r) => {}
+                    _ => warn!("{PIN_REGIME_ENV}={name}: not a regime these flags allow; ignored"),
+                }
+            }
             let stats = Arc::<WorkerStats>::default();
             let thread = WorkerThread {
                 index: t,
@@ -76,7 +93,7 @@ impl Pool {
                 inbox: inbox.clone(),
                 workers: Vec::new(),
                 next_key: 0,
-                poll: Poll::new(config.poll_us, config.coalesce_us),
+                poll,
                 pin: (!config.cpus.is_empty()).then(|| config.cpus[t % config.cpus.len()]),
                 stats: stats.clone(),
                 reaper: to_reaper.clone(),

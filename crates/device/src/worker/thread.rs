@@ -7,7 +7,8 @@
 //! repeat while any worker makes progress, then for the polling window (poll.rs: one
 //! window per thread, fed by the work of all its workers); then every worker re-arms its
 //! kicks and the thread sleeps until a kick, a completion, a command or the earliest
-//! deadline of any worker.
+//! deadline of any worker. Coalescing (`--coalesce-us`, poll.rs) puts a timed sleep with
+//! kicks still off before that, for as long as such sleeps are followed by work.
 //!
 //! A worker that panics is dropped from the thread and reported through its mailbox (its
 //! session ends); the thread goes on serving the others. Workers that end are dropped on
@@ -186,7 +187,6 @@ impl WorkerThread {
                 if !coalesced || since_coalesced > 0 {
                     coalesced = true;
                     since_coalesced = 0;
-                    bump(&self.stats.coalesced_sleeps, 1);
                     self.sleep(&mut events, Some(delay));
                     idle_since = None;
                     now = Instant::now();
@@ -246,9 +246,9 @@ impl WorkerThread {
         }
     }
 
-    /// Wait in epoll for a kick, a completion or a command of any worker, for at most
-    /// `most` (and no later than any worker's deadline).
-    fn sleep(&mut self, events: &mut [EpollEvent], most: Option<Duration>) {
+    /// Wait in epoll for a kick, a completion or a command of any worker, no later than
+    /// any worker's deadline; `coalescing`: kicks are off, and the wait lasts at most that.
+    fn sleep(&mut self, events: &mut [EpollEvent], coalescing: Option<Duration>) {
         let mut deadline: Option<Instant> = None;
         let mut unannounced = false;
         for w in &self.workers {
@@ -274,8 +274,11 @@ impl WorkerThread {
                 d.saturating_duration_since(Instant::now())
                     .min(Duration::from_secs(1))
             })
-            .map_or(most, |t| Some(most.map_or(t, |m| m.min(t))));
+            .map_or(coalescing, |t| Some(coalescing.map_or(t, |c| c.min(t))));
         bump(&self.stats.sleeps, 1);
+        if coalescing.is_some() {
+            bump(&self.stats.coalesced_sleeps, 1);
+        }
         // One sleep in poll::SAMPLE_EVERY is measured: the CPU this thread spends on it
         // (entering epoll, being switched out, woken and switched in) bounds the polling
         // window (poll.rs). A wait that found events at once did not sleep: not counted.
@@ -334,6 +337,18 @@ impl Worker {
     }
 }
 
+/// Set once `epoll_pwait2` answered ENOSYS: timed waits then round up to milliseconds.
+static NO_PWAIT2: AtomicBool = AtomicBool::new(false);
+
+/// Whether timed waits in `epoll` are precise to the microsecond (`epoll_pwait2`, Linux
+/// 5.11), tried with a wait that returns at once (`epoll` holds nothing level-triggered
+/// that is ready, or the event stays reported: nothing is consumed).
+pub(super) fn precise_waits(epoll: &Epoll) -> bool {
+    let mut one = [EpollEvent::default()];
+    let _ = wait_precise(epoll, Some(Duration::ZERO), &mut one);
+    !NO_PWAIT2.load(Ordering::Relaxed)
+}
+
 /// Wait in `epoll` for up to `timeout` (None: until an event), to the microsecond: a
 /// disk's QoS limits wake the worker when a waiting request may go, at rates up to
 /// hundreds of thousands per second (epoll_pwait2, Linux 5.11; before it, epoll_wait's
@@ -343,7 +358,6 @@ fn wait_precise(
     timeout: Option<Duration>,
     events: &mut [EpollEvent],
 ) -> std::io::Result<usize> {
-    static NO_PWAIT2: AtomicBool = AtomicBool::new(false);
     let Some(t) = timeout else {
         return epoll.wait(-1, events);
     };

@@ -93,6 +93,8 @@ pub struct Export {
     pub serial: Option<String>,
     /// More `vblk serve` arguments.
     pub extra_args: Vec<String>,
+    /// Environment variables for `vblk serve` (testing aids).
+    pub env: Vec<(String, String)>,
 }
 
 impl Export {
@@ -106,6 +108,7 @@ impl Export {
             engine: None,
             serial: None,
             extra_args: Vec::new(),
+            env: Vec::new(),
         }
     }
 
@@ -132,6 +135,12 @@ impl Export {
     /// More `vblk serve` arguments (ignored by the reference backend).
     pub fn args(mut self, args: &[&str]) -> Export {
         self.extra_args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+
+    /// An environment variable for `vblk serve` (ignored by the reference backend).
+    pub fn env(mut self, key: &str, value: &str) -> Export {
+        self.env.push((key.into(), value.into()));
         self
     }
 }
@@ -185,6 +194,7 @@ impl Daemon {
                 }
                 cmd.args(["--log-level", "info"]);
                 cmd.args(&export.extra_args);
+                cmd.envs(export.env.iter().map(|(k, v)| (k, v)));
                 cmd
             }
             Backend::QemuStorageDaemon => {
