@@ -567,9 +567,11 @@ mod tests {
             "0,1",
             "--poll-us",
             "0",
+            "--coalesce-us",
+            "1000",
         ])
         .unwrap();
-        assert_eq!((d.threads, d.poll_us), (2, 0));
+        assert_eq!((d.threads, d.poll_us, d.coalesce_us), (2, 0, 1000));
         assert_eq!(d.cpus, vec![0, 1]);
         assert_eq!(disks[0].id, "x", "named after its socket");
         assert!(c.read_only && c.prealloc);

@@ -25,10 +25,14 @@ fn image(dir: &Path, size: u64) -> std::path::PathBuf {
 }
 
 fn serve(dir: &Path, img: &Path, args: &[&str]) -> Daemon {
+    serve_export(dir, &Export::new(img, 1).args(args))
+}
+
+fn serve_export(dir: &Path, export: &Export) -> Daemon {
     Daemon::start(
         Backend::Vblk,
         "vblk",
-        &Export::new(img, 1).args(args),
+        export,
         &dir.join("vblk.sock"),
         &dir.join("vblk.log"),
     )
@@ -207,9 +211,8 @@ fn coalescing_sleeps_leave_kicks_off_and_lose_nothing() {
         let ctl = dir.path().join("vblk.ctl");
         // Coalescing alone (poll::PIN_REGIME_ENV): whether the trials would choose it is
         // their business (poll.rs's tests); here the worker coalesces throughout.
-        let d = Daemon::start(
-            Backend::Vblk,
-            "vblk",
+        let d = serve_export(
+            dir.path(),
             &Export::new(&img, 1)
                 .args(&[
                     "--control-socket",
@@ -218,8 +221,6 @@ fn coalescing_sleeps_leave_kicks_off_and_lose_nothing() {
                     "200",
                 ])
                 .env("VBLK_TEST_POLL_REGIME", "coalesce"),
-            &dir.path().join("vblk.sock"),
-            &dir.path().join("vblk.log"),
         );
         let out = Command::new(env!("CARGO_BIN_EXE_vblk"))
             .args(["bench", "--socket", d.socket.to_str().unwrap()])
