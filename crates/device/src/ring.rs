@@ -14,6 +14,8 @@
 
 use std::sync::atomic::{fence, AtomicU16, Ordering};
 
+use proto::GuestRam;
+
 use crate::memory::GuestMemory;
 
 /// Avail ring flag: the driver does not want interrupts (without EVENT_IDX).

@@ -14,7 +14,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde_json::{json, Value};
 
@@ -106,13 +106,12 @@ pub(crate) struct QueueStats {
 }
 
 impl QueueStats {
-    /// A request of `kind` and `bytes` completed `lat` after it was taken.
-    pub(crate) fn done(&self, kind: Kind, bytes: u64, lat: Duration) {
+    /// A request of `kind` and `bytes` completed `lat_ns` nanoseconds after it was taken.
+    pub(crate) fn done(&self, kind: Kind, bytes: u64, lat_ns: u64) {
         let op = &self.ops[kind as usize];
         bump(&op.count, 1);
         bump(&op.bytes, bytes);
-        op.lat
-            .record(u64::try_from(lat.as_nanos()).unwrap_or(u64::MAX));
+        op.lat.record(lat_ns);
         bump(&self.completed, 1);
     }
 

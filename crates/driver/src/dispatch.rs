@@ -728,6 +728,7 @@ impl Core {
     /// Reap every used entry; returns how many requests finished.
     pub(crate) fn reap(&mut self) -> usize {
         let mut n = 0;
+        self.ring.prefetch_used();
         while let Some(r) = self.ring.pop_used() {
             match r {
                 Ok((head, _len)) => {

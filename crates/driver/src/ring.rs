@@ -220,12 +220,20 @@ impl SplitRing {
         self.at(self.layout.aux + AUX_LEN * usize::from(head))
     }
 
+    /// Host pointer to the indirect table of `head`.
+    fn indirect_table(&self, head: u16) -> *mut u8 {
+        self.at(
+            self.layout.indirect + 16 * usize::from(head) * usize::from(self.layout.max_indirect)
+        )
+    }
+
     /// Host pointer to the status byte of `head`.
     pub(crate) fn status(&self, head: u16) -> *mut u8 {
         self.at(self.layout.aux + AUX_LEN * usize::from(head) + STATUS_AT)
     }
 
     /// Descriptors a request of `segs` buffers takes from the table.
+    #[inline(always)]
     pub(crate) fn descriptors_for(&self, segs: usize) -> u16 {
         if self.use_indirect && segs > 1 && segs <= usize::from(self.layout.max_indirect) {
             1
@@ -272,6 +280,7 @@ impl SplitRing {
     /// Returns its head, or None when the table lacks free descriptors.
     ///
     /// [`publish`]: SplitRing::publish
+    #[inline(always)]
     pub(crate) fn add(&mut self, segs: &[Seg]) -> Option<u16> {
         let need = self.descriptors_for(segs.len());
         if segs.is_empty() || need > self.num_free {
@@ -279,8 +288,7 @@ impl SplitRing {
         }
         let head = self.free_head;
         if need == 1 && segs.len() > 1 {
-            let table = self.at(self.layout.indirect
-                + 16 * usize::from(head) * usize::from(self.layout.max_indirect));
+            let table = self.indirect_table(head);
             for (i, s) in segs.iter().enumerate() {
                 let last = i + 1 == segs.len();
                 self.write_desc(
@@ -361,6 +369,34 @@ impl SplitRing {
             need_event(event, new, old)
         } else {
             self.used_flags().load(Ordering::Relaxed) & USED_F_NO_NOTIFY == 0
+        }
+    }
+
+    /// Prefetch, for writing, the request lines of the heads the device has returned and
+    /// this ring has not reaped yet (up to 32): their status bytes are read next, and
+    /// their header and indirect table written again when the heads are reused. Each of
+    /// those lines was last written by the device's core; asked for together they move in
+    /// parallel, where the reap's status reads would wait for them one at a time, and
+    /// arrive writable, where a read would bring them shared and the next header write
+    /// would ask again. Only hints: an id is checked when it is popped, not here.
+    pub(crate) fn prefetch_used(&self) {
+        let used_idx = self.used_idx().load(Ordering::Acquire);
+        let n = used_idx.wrapping_sub(self.last_used).min(32);
+        if n < 2 {
+            return;
+        }
+        for i in 0..n {
+            let slot = self.last_used.wrapping_add(i) & self.mask;
+            let off = self.layout.used + 4 + 8 * usize::from(slot);
+            // SAFETY: off is a used ring element inside the area (4-aligned).
+            let id = unsafe { self.at(off).cast::<u32>().read_volatile() };
+            if id < u32::from(self.size) {
+                let head = id as u16;
+                prefetch_write(self.aux(head));
+                if self.use_indirect {
+                    prefetch_write(self.indirect_table(head));
+                }
+            }
         }
     }
 
@@ -453,6 +489,18 @@ impl SplitRing {
                 .store(AVAIL_F_NO_INTERRUPT, Ordering::Relaxed);
         }
     }
+}
+
+/// Ask for the cache line at `p` in a writable state (PREFETCHW): a hint that never faults.
+fn prefetch_write(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: PREFETCHW is a hint: it does not fault on any address. CPUs without it
+    // (before Broadwell) execute it as a no-op.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(p.cast::<i8>(), std::arch::x86_64::_MM_HINT_ET0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// `vring_need_event`: whether moving the index from `old` to `new` passes `event`.

@@ -5,9 +5,9 @@
 //! chain has no trustworthy status byte), so vblk walks chains itself and names every way a
 //! chain can be wrong.
 
-use vm_memory::{
-    Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress,
-};
+use vm_memory::{Address, GuestAddress};
+
+use crate::ram::{read_guest, GuestRam};
 
 use virtio_queue::desc::split::Descriptor;
 
@@ -118,27 +118,19 @@ pub enum ChainError {
 }
 
 /// Host address of a descriptor table of `entries` entries, when it lies inside one
-/// memory region (then descriptors are read with one load each instead of through
-/// vm-memory's slice iterator); None otherwise, and the slow path checks every read.
-fn host_table<M: GuestMemoryBackend>(
+/// memory region (then descriptors are read with one load each); None otherwise, and the
+/// slow path checks every read.
+fn host_table<M: GuestRam + ?Sized>(
     mem: &M,
     table: GuestAddress,
     entries: u16,
 ) -> Option<*const u8> {
-    let len = DESC_SIZE * u64::from(entries);
-    let region = mem.find_region(table)?;
-    let off = table.0 - region.start_addr().raw_value();
-    if off.checked_add(len)? > region.len() {
-        return None;
-    }
-    region
-        .get_host_address(MemoryRegionAddress(off))
-        .ok()
+    mem.host_range(table.0, DESC_SIZE * u64::from(entries))
         .map(|p| p as *const u8)
 }
 
 /// Descriptor `index` of a table at guest address `table_addr + 16 * index` (`addr`).
-fn read_desc<M: GuestMemoryBackend>(
+fn read_desc<M: GuestRam + ?Sized>(
     mem: &M,
     host: Option<*const u8>,
     index: u16,
@@ -175,16 +167,27 @@ fn read_desc<M: GuestMemoryBackend>(
                 (hi >> 48) as u16,
             ))
         }
-        None => mem
-            .read_obj(addr)
-            .map_err(|_| ChainError::Unreadable { addr: addr.0 }),
+        None => {
+            let mut raw = [0u8; DESC_SIZE as usize];
+            if !read_guest(mem, addr.0, &mut raw) {
+                return Err(ChainError::Unreadable { addr: addr.0 });
+            }
+            let lo = u64::from_le_bytes(raw[..8].try_into().expect("8 bytes"));
+            let hi = u64::from_le_bytes(raw[8..].try_into().expect("8 bytes"));
+            Ok(Descriptor::new(
+                lo,
+                hi as u32,
+                (hi >> 32) as u16,
+                (hi >> 48) as u16,
+            ))
+        }
     }
 }
 
 /// Walk the chain that starts at `head`, appending its buffers to `out` (cleared first).
 /// `out`'s capacity bounds the walk: it never grows. A capacity of
 /// [`RingInfo::max_segments`] holds every chain the walker accepts.
-pub fn walk<M: GuestMemoryBackend>(
+pub fn walk<M: GuestRam + ?Sized>(
     mem: &M,
     ring: RingInfo,
     head: u16,

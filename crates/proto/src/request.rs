@@ -6,9 +6,9 @@
 //! lies between is payload. Payload buffers become host iovecs into guest memory; nothing is
 //! copied.
 
-use vm_memory::{
-    Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress,
-};
+use vm_memory::{Address, GuestAddress};
+
+use crate::ram::{read_guest, read_host, GuestRam};
 
 use crate::chain::{self, ChainError, RingInfo, Segment};
 use crate::wire::{
@@ -277,7 +277,7 @@ impl Parser {
     }
 
     /// Parse and check the chain at `head` into `req`.
-    pub fn parse<M: GuestMemoryBackend>(
+    pub fn parse<M: GuestRam + ?Sized>(
         &mut self,
         mem: &M,
         ring: RingInfo,
@@ -451,24 +451,17 @@ fn check_range(sector: u64, sectors: u64, capacity: u64) -> Result<(), RequestEr
 }
 
 /// Host address of `len` bytes at `addr`, which must lie inside one region.
-fn host_ptr<M: GuestMemoryBackend>(
+fn host_ptr<M: GuestRam + ?Sized>(
     mem: &M,
     addr: GuestAddress,
     len: u64,
 ) -> Result<*mut u8, RequestError> {
-    let bad = RequestError::BadAddress { addr: addr.0, len };
-    let region = mem.find_region(addr).ok_or(bad)?;
-    let off = addr.0 - region.start_addr().raw_value();
-    if off.checked_add(len).is_none_or(|end| end > region.len()) {
-        return Err(bad);
-    }
-    region
-        .get_host_address(MemoryRegionAddress(off))
-        .map_err(|_| bad)
+    mem.host_range(addr.0, len)
+        .ok_or(RequestError::BadAddress { addr: addr.0, len })
 }
 
 /// Append host iovecs for `len` bytes of `segs`, starting `skip` bytes into them.
-fn map_payload<M: GuestMemoryBackend>(
+fn map_payload<M: GuestRam + ?Sized>(
     mem: &M,
     segs: &[Segment],
     mut skip: u64,
@@ -511,7 +504,7 @@ fn map_payload<M: GuestMemoryBackend>(
 
 /// Append host iovecs for one guest buffer, split where it crosses memory regions; at
 /// most `max_iov` in all.
-fn map_buffer<M: GuestMemoryBackend>(
+fn map_buffer<M: GuestRam + ?Sized>(
     mem: &M,
     addr: GuestAddress,
     len: u64,
@@ -522,12 +515,10 @@ fn map_buffer<M: GuestMemoryBackend>(
     let mut at = addr;
     let mut left = len;
     while left > 0 {
-        let region = mem.find_region(at).ok_or(bad)?;
-        let off = at.0 - region.start_addr().raw_value();
-        let n = (region.len() - off).min(left);
-        let host = region
-            .get_host_address(MemoryRegionAddress(off))
-            .map_err(|_| bad)?;
+        let (host, n) = mem.host_span(at.0, left).ok_or(bad)?;
+        if n == 0 {
+            return Err(bad);
+        }
         if iov.len() >= max_iov {
             return Err(RequestError::TooManyIovecs { max: max_iov });
         }
@@ -542,33 +533,8 @@ fn map_buffer<M: GuestMemoryBackend>(
     Ok(())
 }
 
-/// Fill `out` from guest memory at `p`: volatile, because the guest may be writing there,
-/// and 8 bytes to a load where `p` is 8-aligned (a request header is then two loads, not
-/// sixteen; a volatile load of a byte array is split into bytes).
-///
-/// # Safety
-/// `out.len()` bytes at `p` lie in one mapped region of guest memory.
-unsafe fn read_guest(p: *const u8, out: &mut [u8]) {
-    let mut done = 0;
-    let len = out.len();
-    if p.align_offset(8) == 0 {
-        let mut words = out.chunks_exact_mut(8);
-        for (i, w) in (&mut words).enumerate() {
-            // SAFETY: out.len() bytes at p are mapped (the caller's contract) and this word is
-            // within them; p + 8 i is 8-aligned.
-            let v = unsafe { p.cast::<u64>().add(i).read_volatile() };
-            w.copy_from_slice(&v.to_ne_bytes());
-        }
-        done = len - words.into_remainder().len();
-    }
-    for (i, b) in out[done..].iter_mut().enumerate() {
-        // SAFETY: as above, for the bytes not read as words.
-        *b = unsafe { p.add(done + i).read_volatile() };
-    }
-}
-
 /// Copy `out.len()` bytes that start `skip` bytes into `segs` out of guest memory.
-fn copy_from_guest<M: GuestMemoryBackend>(
+fn copy_from_guest<M: GuestRam + ?Sized>(
     mem: &M,
     segs: &[Segment],
     mut skip: u64,
@@ -590,12 +556,14 @@ fn copy_from_guest<M: GuestMemoryBackend>(
             len: seg_len,
         };
         let at = s.addr.checked_add(skip).ok_or(bad)?;
-        match host_ptr(mem, at, n as u64) {
-            // SAFETY: host_ptr checked that n bytes at `at` lie in one mapped region.
-            Ok(p) => unsafe { read_guest(p, &mut out[done..done + n]) },
-            Err(_) => mem
-                .read_slice(&mut out[done..done + n], at)
-                .map_err(|_| bad)?,
+        match mem.host_range(at.0, n as u64) {
+            // SAFETY: host_range checked that n bytes at `at` lie in one mapped region.
+            Some(p) => unsafe { read_host(p, &mut out[done..done + n]) },
+            None => {
+                if !read_guest(mem, at.0, &mut out[done..done + n]) {
+                    return Err(bad);
+                }
+            }
         }
         done += n;
         skip = 0;

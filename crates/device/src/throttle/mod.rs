@@ -51,6 +51,11 @@ pub fn ticks(t: Instant) -> u64 {
     u64::try_from(t.saturating_duration_since(epoch()).as_nanos() * 16).unwrap_or(u64::MAX)
 }
 
+/// Nanoseconds in `ticks` (a difference of two [`ticks`]).
+pub fn ticks_to_ns(ticks: u64) -> u64 {
+    ticks / 16
+}
+
 /// The instant of `ticks`.
 pub fn instant(ticks: u64) -> Instant {
     epoch() + Duration::from_nanos(ticks / 16)

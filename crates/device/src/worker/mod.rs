@@ -174,6 +174,8 @@ pub(crate) struct Worker {
     throttle_wake: Option<Instant>,
     /// The start of the current pass: one clock read per pass times every request.
     now: Instant,
+    /// `now` in [`throttle::ticks`], for the per-request stamps.
+    now_ticks: u64,
     /// Work served since the thread last took it: chains taken from rings plus
     /// completions taken from the engine (for the polling decision, poll.rs).
     work: u64,
@@ -225,6 +227,7 @@ impl Worker {
                 .map(|t| Box::new(Throttled::new(t, setup.depth))),
             throttle_wake: None,
             now: Instant::now(),
+            now_ticks: 0,
             work: 0,
             _alive: None,
         })
@@ -610,6 +613,7 @@ impl Worker {
     /// One pass over every queue. True if anything was popped or completed.
     fn pass(&mut self, now: Instant) -> bool {
         self.now = now;
+        self.now_ticks = throttle::ticks(now);
         self.lift_fences();
         let mut progress = false;
         if self.throttle.is_some() {
@@ -648,7 +652,7 @@ impl Worker {
         let Some(t) = self.throttle.as_deref_mut() else {
             return false;
         };
-        let now = throttle::ticks(self.now);
+        let now = self.now_ticks;
         let durable = self.blk.write_through();
         let mut went = false;
         let mut wake: Option<u64> = None;
@@ -683,7 +687,9 @@ impl Worker {
                 match unsafe { self.engine.push(token(q.index, q.gen, p.head), op) } {
                     Ok(()) => {
                         t.parked[dir as usize].pop_front();
-                        t.waited(self.now.saturating_duration_since(slot.taken));
+                        t.waited(Duration::from_nanos(throttle::ticks_to_ns(
+                            self.now_ticks.saturating_sub(slot.taken),
+                        )));
                         went = true;
                         self.pushed = true;
                         self.unsubmitted += 1;
@@ -722,7 +728,7 @@ impl Worker {
         }
         q.ring
             .prefetch(&self.mem, self.depth.saturating_sub(self.in_flight));
-        let mem = self.mem.mmap();
+        let mem: &GuestMemory = &self.mem;
         let mut popped = false;
         while self.in_flight < self.depth {
             let (head, resubmitted) = match q.resubmit.front() {
@@ -760,7 +766,7 @@ impl Worker {
                 ));
                 break;
             }
-            q.slots[h].taken = self.now;
+            q.slots[h].taken = self.now_ticks;
             let parsed = self
                 .parser
                 .parse(mem, q.info, head, limits, &mut q.slots[h].req);
@@ -778,8 +784,7 @@ impl Worker {
                         | RequestKind::WriteZeroes { .. }
                             if self.throttle.as_deref().is_some_and(|t| {
                                 let dir = direction(&slot.req.kind);
-                                t.queued(dir)
-                                    || t.admit(dir, slot.req.len, throttle::ticks(self.now)) != 0
+                                t.queued(dir) || t.admit(dir, slot.req.len, self.now_ticks) != 0
                             }) =>
                         {
                             // It waits for the disk's limits (throttled.rs); it holds its
@@ -872,7 +877,7 @@ impl Worker {
                 }
                 q.used.push((head, used_len));
                 if st == status::OK {
-                    q.count_completed(head, self.now);
+                    q.count_completed(head, self.now_ticks);
                 } else {
                     bump(&q.stats.completed, 1);
                 }
@@ -926,7 +931,7 @@ impl Worker {
                     c.result,
                     &mut self.io_log,
                     true,
-                    self.now,
+                    self.now_ticks,
                     big,
                     log,
                 );
@@ -943,7 +948,7 @@ impl Worker {
                     c.result,
                     &mut self.io_log,
                     false,
-                    self.now,
+                    self.now_ticks,
                     big,
                     log,
                 );

@@ -43,8 +43,10 @@ pub(crate) struct Slot {
     /// Its iovec vector grew past [`SLOT_IOVECS`] and counts in the worker's budget.
     pub big: bool,
     pub req: Request,
-    /// When the request was taken (the start of that worker pass).
-    pub taken: Instant,
+    /// When the request was taken (the start of that worker pass), in
+    /// [`throttle::ticks`](crate::throttle::ticks): an integer, so that a completion's
+    /// latency is one subtraction, not two normalised `Instant`s.
+    pub taken: u64,
 }
 
 /// A GET_VRING_BASE waiting for the queue's requests to finish.
@@ -136,7 +138,7 @@ impl Queue {
                     busy: false,
                     big: false,
                     req: Request::with_capacity(SLOT_IOVECS),
-                    taken: Instant::now(),
+                    taken: 0,
                 })
                 .collect(),
             in_flight: 0,
@@ -318,8 +320,8 @@ impl RateLimit {
 }
 
 impl Queue {
-    /// Count the completion of head `head` at `now`.
-    pub(crate) fn count_completed(&self, head: u16, now: Instant) {
+    /// Count the completion of head `head` at `now` (ticks).
+    pub(crate) fn count_completed(&self, head: u16, now: u64) {
         let slot = &self.slots[usize::from(head)];
         let kind = match slot.req.kind {
             proto::RequestKind::In => Kind::Read,
@@ -332,7 +334,7 @@ impl Queue {
         self.stats.done(
             kind,
             slot.req.len,
-            now.saturating_duration_since(slot.taken),
+            crate::throttle::ticks_to_ns(now.saturating_sub(slot.taken)),
         );
     }
 

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use std::io;
-use std::time::Instant;
 
 use log::warn;
 use proto::wire::{status, ID_BYTES};
@@ -102,7 +101,7 @@ impl LogView<'_> {
     }
 }
 
-/// Finish request `head` of `q` with the engine's `result`; `publish`: write the status
+/// Finish request `head` of `q` with the engine's `result` at `now` (ticks); `publish`: write the status
 /// and queue the used element (false for a queue the frontend has already stopped), and
 /// mark what the request wrote in `log` while a migration runs.
 /// `big` is the worker's count of grown iovec vectors and its budget (see [`BIG_SLOTS`]).
@@ -113,7 +112,7 @@ pub(crate) fn complete(
     result: io::Result<u64>,
     log: &mut RateLimit,
     publish: bool,
-    now: Instant,
+    now: u64,
     big: (&mut usize, usize),
     dirty: Option<&LogView<'_>>,
 ) {

@@ -161,3 +161,25 @@ fn garbage_from_the_device_never_panics_or_leaks() {
         }
     }
 }
+
+/// The reap's prefetch pass reads ids before `pop_used` checks them: an id past the ring
+/// must not be turned into an address (in a debug build, `at` asserts it stays inside the
+/// area), and the pop still reports it.
+#[test]
+fn prefetching_used_entries_trusts_no_id() {
+    for id in [8u32, 0x1_0000, u32::MAX] {
+        let mut h = Harness::new(8, 4, true, false);
+        h.add(&make_segs(3, 0));
+        h.add(&make_segs(3, 1));
+        h.ring.publish();
+        h.dev.put_used(id, 0);
+        h.dev.put_used(1, 0);
+        h.dev.flush_used();
+        h.ring.prefetch_used();
+        assert_eq!(
+            h.ring.pop_used(),
+            Some(Err(RingError::UsedId { id })),
+            "id {id}"
+        );
+    }
+}
