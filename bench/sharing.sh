@@ -12,8 +12,12 @@
 # and, for the latency baseline, (e) vblk-1x1: one vblk serve, one disk, one job alone.
 # Devices run on CPU 1, the 16 jobs on CPU 0, all at once for RUNTIME seconds (after a
 # 1 s ramp). Per setup: the device processes' CPU time (from /proc/PID/stat, all of them)
-# per I/O completed, their CPU share, and the jobs' completion-latency p50/p99 (the
-# worst disk's and the median disk's). One run per setup; the setups take turns.
+# per I/O completed, their CPU share, the jobs' CPU (how busy CPU 0 was: the 16 jobs share
+# it) and the jobs' completion-latency p50/p99 (the worst disk's and the median disk's).
+# One run per setup; the setups take turns. At the end, the issue's goals from this run:
+# (a)'s device CPU per I/O against (b)'s and (c)'s, and each disk's p99 in (a) against
+# its p99 with a daemon of its own, (b): the same 16 jobs on CPU 0, so the same client
+# load. The one-disk run (e) is the figure with CPU 0 nearly idle; its ratio is printed too.
 #
 #   bash bench/sharing.sh [RUNTIME_S] [OUT_DIR]
 #
@@ -37,6 +41,8 @@ stop_all() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait
 # CPU ticks (user + system) of the listed pids.
 ticks() { local t=0; for p in "$@"; do t=$((t + $(awk '{print $14 + $15}' /proc/"$p"/stat))); done; echo "$t"; }
 HZ=$(getconf CLK_TCK)
+# Busy and total ticks of CPU 0, where the jobs run (/proc/stat: idle and iowait are idle).
+cpu0_ticks() { awk '$1 == "cpu0" { t = 0; for (i = 2; i <= NF; i++) t += $i; print t - $5 - $6, t }' /proc/stat; }
 
 start_vblk_one() {
   taskset -c 1 "$V" --log-level warn serve --socket-path "$D/d0.sock" --blk-file null:1G --num-queues 1 &
@@ -84,14 +90,19 @@ run() {
   done
   sleep 1
   t0=$(ticks "${pids[@]}")
+  c0=$(cpu0_ticks)
   w0=$(date +%s.%N)
   wait "${jobs[@]}"
-  local t1 w1
+  local t1 w1 c1
   t1=$(ticks "${pids[@]}")
+  c1=$(cpu0_ticks)
   w1=$(date +%s.%N)
-  python3 - "$name" "$disks" "$OUT" "$((t1 - t0))" "$HZ" "$w0" "$w1" <<'EOF'
+  python3 - "$name" "$disks" "$OUT" "$((t1 - t0))" "$HZ" "$w0" "$w1" "$c0" "$c1" <<'EOF'
 import json, sys, statistics
 name, disks, out, dt, hz, w0, w1 = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
+busy0, all0 = map(int, sys.argv[8].split())
+busy1, all1 = map(int, sys.argv[9].split())
+jobs_cpu = 100 * (busy1 - busy0) / max(1, all1 - all0)
 ios, p50, p99 = 0, [], []
 for i in range(disks):
     j = json.load(open(f"{out}/{name}-{i}.json"))["jobs"][0]["read"]
@@ -102,13 +113,16 @@ for i in range(disks):
 cpu_s = dt / hz
 wall = w1 - w0
 print(f"{name:<20} {disks:>5} {ios/ (wall - 0):>10.0f} {cpu_s / ios * 1e6 if ios else 0:>12.2f} {100 * cpu_s / wall:>8.1f} "
-      f"{statistics.median(p50):>9.1f} {statistics.median(p99):>9.1f} {max(p99):>9.1f}")
+      f"{jobs_cpu:>8.1f} {statistics.median(p50):>9.1f} {statistics.median(p99):>9.1f} {max(p99):>9.1f}")
+with open(f"{out}/summary.tsv", "a") as f:
+    f.write(f"{name}\t{ios}\t{cpu_s}\n")
 EOF
 }
 
 echo "== sharing: $N null disks, each a job paced at $RATE IOPS (QD 1-4), ${RUNTIME}s after a 1 s ramp; devices on CPU 1, jobs on CPU 0"
 echo "== machine: $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /proc/loadavg); $("$V" --version)"
-printf '%-20s %5s %10s %12s %8s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "p50 med" "p99 med" "p99 max"
+rm -f "$OUT/summary.tsv"
+printf '%-20s %5s %10s %12s %8s %8s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "jobs CPU%" "p50 med" "p99 med" "p99 max"
 start_vblk_many; run vblk-1x16 "$N"; stop_all
 start_vblk_many --poll-us 0; run vblk-1x16-nopoll "$N"; stop_all
 start_vblk_many --coalesce-us 20; run vblk-1x16-coalesce20 "$N"; stop_all
@@ -116,4 +130,27 @@ start_vblk_each; run vblk-16x1 "$N"; stop_all
 start_qsd; run qsd-1x16 "$N"; stop_all
 start_qsd iothread; run qsd-iot-1x16 "$N"; stop_all
 start_vblk_one; run vblk-1x1 1; stop_all
-echo "(latencies in µs, completion latency as fio's clat; dev µs/I/O: the device processes' CPU time per I/O completed; JSON in $OUT)"
+echo "(latencies in µs, completion latency as fio's clat; dev µs/I/O: the device processes' CPU time per I/O completed; jobs CPU%: how busy CPU 0, the jobs' CPU, was; JSON in $OUT)"
+python3 - "$OUT" "$N" <<'EOF'
+import json, sys
+out, n = sys.argv[1], int(sys.argv[2])
+cost = {}
+for line in open(f"{out}/summary.tsv"):
+    name, ios, cpu_s = line.split("\t")
+    cost[name] = float(cpu_s) / int(ios) if int(ios) else float("nan")
+def p99(name, i):
+    j = json.load(open(f"{out}/{name}-{i}.json"))["jobs"][0]["read"]
+    return j["clat_ns"]["percentile"]["99.000000"] / 1000
+print("goals (issue 21), from this run:")
+a = cost["vblk-1x16"]
+print(f"  device CPU per I/O, one daemon / 16 daemons: {a / cost['vblk-16x1']:.2f} (goal <= 0.5)")
+print(f"  device CPU per I/O, one daemon / qemu-storage-daemon, 16 exports: {a / cost['qsd-1x16']:.2f} (goal <= 1)")
+ratios = sorted(((p99("vblk-1x16", i) / p99("vblk-16x1", i), i) for i in range(n)), reverse=True)
+r, i = ratios[0]
+print(f"  worst disk's p99, one daemon / the same disk with a daemon of its own (16x1, same jobs on CPU 0): "
+      f"{r:.2f} (disk {i}: {p99('vblk-1x16', i):.1f} vs {p99('vblk-16x1', i):.1f} µs; goal <= 2)")
+alone = p99("vblk-1x1", 0)
+worst = max(p99("vblk-1x16", i) for i in range(n))
+print(f"  worst disk's p99, one daemon / one disk and one job alone (1x1, CPU 0 nearly idle): "
+      f"{worst / alone:.2f} ({worst:.1f} vs {alone:.1f} µs)")
+EOF
