@@ -342,6 +342,27 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
         "mode: quick (test)\ncommand: bash bench/all.sh quick\ncommit: abc1234\n",
     )
     .unwrap();
+    // A full run's many-disk output: bench/sharing.sh's goals and bench/qos.sh's table.
+    std::fs::create_dir(dir.path().join("sharing-json")).unwrap();
+    std::fs::write(
+        dir.path().join("sharing-json/goals.json"),
+        serde_json::json!({
+            "cpu_per_io_us": {"vblk-1x16": 4.5, "vblk-16x1": 5.0, "qsd-1x16": 9.0},
+            "cpu_vs_16x1": 0.9,
+            "cpu_vs_qsd": 0.5,
+            "tail_vs_own": {"ratio": 1.25, "disk": 3, "shared_us": 25.0, "own_us": 20.0},
+            "tail_vs_alone": {"ratio": 3.0, "worst_us": 45.0, "alone_us": 15.0},
+        })
+        .to_string(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("qos.txt"),
+        "limit job configured measured unit error\n\
+         iops-total=1000 randread 4k 1000 1005.0 IOPS     +0.50 %\n\
+         bps-total=1M read 4k 1 0.975 MiB/s    -2.50 %\n",
+    )
+    .unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/render.py");
     let out = Command::new("python3")
         .arg(script)
@@ -394,6 +415,29 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
     assert!(
         head.contains("not measured in this run (null-qd32)"),
         "{head}"
+    );
+    // Issue 21's rows, from the sharing goals and the QoS table.
+    let row = |start: &str| {
+        md.lines()
+            .find(|l| l.starts_with(start))
+            .unwrap_or_else(|| panic!("no row {start:?} in {md}"))
+            .to_string()
+    };
+    let r = row("| 16 disks at 5 k IOPS: device µs CPU per I/O, one daemon vs 16 daemons");
+    assert!(r.contains("4.50 vs 5.00 | 0.90× | ≤ 0.5× | **no**"), "{r}");
+    let r = row("| 16 disks: device µs CPU per I/O, one daemon vs qsd");
+    assert!(r.contains("0.50× | ≤ 1× | yes"), "{r}");
+    let r = row("| 16 disks: p99 of the disk it grows most for");
+    assert!(
+        r.contains("disk 3: 25.0 vs 20.0 µs | 1.25× | ≤ 2× | yes"),
+        "{r}"
+    );
+    let r = row("| 16 disks: worst disk's p99 in one daemon vs one disk and one job alone");
+    assert!(r.contains("3.00× | ≤ 2× | **no**"), "{r}");
+    let r = row("| QoS: configured vs measured, 2 limits");
+    assert!(
+        r.contains("worst error 2.50 %") && r.ends_with("| **no** |"),
+        "{r}"
     );
 }
 
