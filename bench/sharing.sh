@@ -41,8 +41,10 @@ stop_all() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait
 # CPU ticks (user + system) of the listed pids.
 ticks() { local t=0; for p in "$@"; do t=$((t + $(awk '{print $14 + $15}' /proc/"$p"/stat))); done; echo "$t"; }
 HZ=$(getconf CLK_TCK)
-# Busy and total ticks of CPU 0, where the jobs run (/proc/stat: idle and iowait are idle).
-cpu0_ticks() { awk '$1 == "cpu0" { t = 0; for (i = 2; i <= NF; i++) t += $i; print t - $5 - $6, t }' /proc/stat; }
+# Busy and total ticks of CPU 0, where the jobs run (/proc/stat: user, nice, system, irq
+# and softirq are busy, idle and iowait idle; steal, time the host ran something else, is
+# neither, and guest time is already in user).
+cpu0_ticks() { awk '$1 == "cpu0" { b = $2 + $3 + $4 + $7 + $8; print b, b + $5 + $6 }' /proc/stat; }
 
 start_vblk_one() {
   taskset -c 1 "$V" --log-level warn serve --socket-path "$D/d0.sock" --blk-file null:1G --num-queues 1 &
@@ -81,7 +83,7 @@ start_qsd() { # [iothread]
 # run NAME DISKS: the jobs against d0..d(DISKS-1); writes OUT/NAME-i.json and a summary line.
 run() {
   local name=$1 disks=$2 jobs=()
-  local t0 w0
+  local t0 w0 c0
   for i in $(seq 0 $((disks - 1))); do
     taskset -c 0 "$V" --log-level warn bench --socket "$D/d$i.sock" --name "$name-$i" \
       --rw=randread --bs=4k --iodepth=$((1 + i % 4)) --rate_iops=$RATE --size=1g \
@@ -113,7 +115,7 @@ for i in range(disks):
 cpu_s = dt / hz
 wall = w1 - w0
 print(f"{name:<20} {disks:>5} {ios/ (wall - 0):>10.0f} {cpu_s / ios * 1e6 if ios else 0:>12.2f} {100 * cpu_s / wall:>8.1f} "
-      f"{jobs_cpu:>8.1f} {statistics.median(p50):>9.1f} {statistics.median(p99):>9.1f} {max(p99):>9.1f}")
+      f"{jobs_cpu:>9.1f} {statistics.median(p50):>9.1f} {statistics.median(p99):>9.1f} {max(p99):>9.1f}")
 with open(f"{out}/summary.tsv", "a") as f:
     f.write(f"{name}\t{ios}\t{cpu_s}\n")
 EOF
@@ -122,7 +124,7 @@ EOF
 echo "== sharing: $N null disks, each a job paced at $RATE IOPS (QD 1-4), ${RUNTIME}s after a 1 s ramp; devices on CPU 1, jobs on CPU 0"
 echo "== machine: $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /proc/loadavg); $("$V" --version)"
 rm -f "$OUT/summary.tsv"
-printf '%-20s %5s %10s %12s %8s %8s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "jobs CPU%" "p50 med" "p99 med" "p99 max"
+printf '%-20s %5s %10s %12s %8s %9s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "jobs CPU%" "p50 med" "p99 med" "p99 max"
 start_vblk_many; run vblk-1x16 "$N"; stop_all
 start_vblk_many --poll-us 0; run vblk-1x16-nopoll "$N"; stop_all
 start_vblk_many --coalesce-us 20; run vblk-1x16-coalesce20 "$N"; stop_all
@@ -132,33 +134,53 @@ start_qsd iothread; run qsd-iot-1x16 "$N"; stop_all
 start_vblk_one; run vblk-1x1 1; stop_all
 echo "(latencies in µs, completion latency as fio's clat; dev µs/I/O: the device processes' CPU time per I/O completed; jobs CPU%: how busy CPU 0, the jobs' CPU, was; JSON in $OUT)"
 python3 - "$OUT" "$N" <<'EOF'
+# The summary never fails the run: a setup that measured nothing (no I/O, no CPU time, a
+# job without a p99) gives "not measured" here and null in goals.json.
 import json, sys
 out, n = sys.argv[1], int(sys.argv[2])
 cost = {}
 for line in open(f"{out}/summary.tsv"):
-    name, ios, cpu_s = line.split("\t")
-    cost[name] = float(cpu_s) / int(ios) if int(ios) else float("nan")
+    name, ios, cpu_s = line.rstrip("\n").split("\t")
+    cost[name] = float(cpu_s) / int(ios) if int(ios) > 0 and float(cpu_s) > 0 else None
 def p99(name, i):
-    j = json.load(open(f"{out}/{name}-{i}.json"))["jobs"][0]["read"]
-    return j["clat_ns"]["percentile"]["99.000000"] / 1000
-print("goals (issue 21), from this run:")
-a = cost["vblk-1x16"]
-print(f"  device CPU per I/O, one daemon / 16 daemons: {a / cost['vblk-16x1']:.2f} (goal <= 0.5)")
-print(f"  device CPU per I/O, one daemon / qemu-storage-daemon, 16 exports: {a / cost['qsd-1x16']:.2f} (goal <= 1)")
-ratios = sorted(((p99("vblk-1x16", i) / p99("vblk-16x1", i), i) for i in range(n)), reverse=True)
-r, i = ratios[0]
-print(f"  p99 of the disk it grows most for, one daemon / a daemon of its own (16x1, same jobs on CPU 0): "
-      f"{r:.2f} (disk {i}: {p99('vblk-1x16', i):.1f} vs {p99('vblk-16x1', i):.1f} µs; goal <= 2)")
+    try:
+        j = json.load(open(f"{out}/{name}-{i}.json"))["jobs"][0]["read"]
+        v = j["clat_ns"]["percentile"]["99.000000"] / 1000
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return v if v > 0 else None
+def ratio(a, b):
+    return a / b if a is not None and b else None
+def fmt(x):
+    return "not measured" if x is None else f"{x:.2f}"
+goals = {
+    "cpu_per_io_us": {k: v * 1e6 for k, v in cost.items() if v is not None},
+    "cpu_vs_16x1": ratio(cost.get("vblk-1x16"), cost.get("vblk-16x1")),
+    "cpu_vs_qsd": ratio(cost.get("vblk-1x16"), cost.get("qsd-1x16")),
+    "tail_vs_own": None,
+    "tail_vs_alone": None,
+}
+own = [(ratio(p99("vblk-1x16", i), p99("vblk-16x1", i)), i) for i in range(n)]
+own = [(r, i) for r, i in own if r is not None]
+if own:
+    r, i = max(own)
+    goals["tail_vs_own"] = {"ratio": r, "disk": i, "shared_us": p99("vblk-1x16", i),
+                            "own_us": p99("vblk-16x1", i)}
+shared = [x for x in (p99("vblk-1x16", i) for i in range(n)) if x is not None]
 alone = p99("vblk-1x1", 0)
-worst = max(p99("vblk-1x16", i) for i in range(n))
-print(f"  worst disk's p99, one daemon / one disk and one job alone (1x1, CPU 0 nearly idle): "
-      f"{worst / alone:.2f} ({worst:.1f} vs {alone:.1f} µs)")
+if shared and alone:
+    goals["tail_vs_alone"] = {"ratio": max(shared) / alone, "worst_us": max(shared),
+                              "alone_us": alone}
+print("goals (issue 21), from this run:")
+print(f"  device CPU per I/O, one daemon / 16 daemons: {fmt(goals['cpu_vs_16x1'])} (goal <= 0.5)")
+print(f"  device CPU per I/O, one daemon / qemu-storage-daemon, 16 exports: {fmt(goals['cpu_vs_qsd'])} (goal <= 1)")
+t = goals["tail_vs_own"]
+print("  p99 of the disk it grows most for, one daemon / a daemon of its own (16x1, same jobs on CPU 0): "
+      + ("not measured" if t is None else
+         f"{t['ratio']:.2f} (disk {t['disk']}: {t['shared_us']:.1f} vs {t['own_us']:.1f} µs)") + " (goal <= 2)")
+t = goals["tail_vs_alone"]
+print("  worst disk's p99, one daemon / one disk and one job alone (1x1, CPU 0 nearly idle): "
+      + ("not measured" if t is None else f"{t['ratio']:.2f} ({t['worst_us']:.1f} vs {t['alone_us']:.1f} µs)"))
 # The same, for bench/render.py's headline.
-json.dump({
-    "cpu_per_io_us": {k: v * 1e6 for k, v in cost.items()},
-    "cpu_vs_16x1": a / cost["vblk-16x1"],
-    "cpu_vs_qsd": a / cost["qsd-1x16"],
-    "tail_vs_own": {"ratio": r, "disk": i, "shared_us": p99("vblk-1x16", i), "own_us": p99("vblk-16x1", i)},
-    "tail_vs_alone": {"ratio": worst / alone, "worst_us": worst, "alone_us": alone},
-}, open(f"{out}/goals.json", "w"), indent=1)
+json.dump(goals, open(f"{out}/goals.json", "w"), indent=1)
 EOF

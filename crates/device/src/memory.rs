@@ -125,7 +125,10 @@ fn spans_of(mmap: &GuestMemoryMmap<()>) -> Vec<Span> {
         .collect()
 }
 
-impl GuestRam for GuestMemory {
+// SAFETY: each span is a region this view mapped (read and write, shared) and keeps mapped
+// while it lives; an answer lies inside one span: `off < span.len` and at most
+// `span.len - off` bytes from there.
+unsafe impl GuestRam for GuestMemory {
     fn host_span(&self, addr: u64, len: u64) -> Option<(*mut u8, u64)> {
         let spans = &self.spans[..];
         // The first region holds most guests' memory below 3 GiB (and all of a benchmark's).
@@ -485,8 +488,9 @@ mod tests {
     }
 
     /// The flat table answers as vm-memory's `find_region` does, for every address near
-    /// every region's edges, in views of one to five regions added out of order, with holes
-    /// between them and below the first.
+    /// every region's edges and a thousand random ones, in views of one to six regions
+    /// added out of order: with holes between them and below the first, and two that touch
+    /// (one ends where the next starts).
     #[test]
     fn lookups_agree_with_vm_memory() {
         let p = Arc::new(AtomicBool::new(false));
@@ -498,7 +502,15 @@ mod tests {
             (0x4000_0000, 1),
             (0x2_0000, 3),
             (0x3000, 1),
+            (0x2_3000, 2),
         ];
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut random = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
         let mut mem = GuestMemory::empty();
         for (i, &(gpa, pages)) in layout.iter().enumerate() {
             let user = 0x7000_0000 + (i as u64) * 0x100_0000;
@@ -506,6 +518,15 @@ mod tests {
                 .with_region(desc(gpa, pages * page, user, 0), memfd(pages * page), &p)
                 .unwrap();
             let mut probes = vec![u64::MAX, u64::MAX - 1];
+            // Random addresses below 0x4000_2000, where the regions are, and anywhere.
+            probes.extend((0..1000).map(|k| {
+                let r = random();
+                if k % 4 == 0 {
+                    r
+                } else {
+                    r % 0x4000_2000
+                }
+            }));
             for &(g, n) in &layout[..=i] {
                 for edge in [g, g + n * page] {
                     probes.extend([edge.wrapping_sub(1), edge, edge + 1, edge + 100]);

@@ -492,12 +492,17 @@ impl SplitRing {
 }
 
 /// Ask for the cache line at `p` in a writable state (PREFETCHW): a hint that never faults.
+/// Written as an instruction, because `_mm_prefetch` with `_MM_HINT_ET0` compiles to a
+/// read prefetch (PREFETCHT0) unless the `prfchw` target feature is enabled, which the
+/// x86_64 baseline does not include.
+#[inline(always)]
 fn prefetch_write(p: *const u8) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: PREFETCHW is a hint: it does not fault on any address. CPUs without it
-    // (before Broadwell) execute it as a no-op.
+    // SAFETY: PREFETCHW is a hint: it does not fault on any address and changes no
+    // register, flag or memory. Intel CPUs before Broadwell execute its encoding as a
+    // no-op.
     unsafe {
-        std::arch::x86_64::_mm_prefetch(p.cast::<i8>(), std::arch::x86_64::_MM_HINT_ET0);
+        std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly));
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;

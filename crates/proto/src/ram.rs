@@ -10,7 +10,13 @@
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
 
 /// Host addresses of guest memory.
-pub trait GuestRam {
+///
+/// # Safety
+/// The parser reads and writes through what an implementation answers, so an answer must
+/// be true: when `host_span(addr, len)` returns `Some((p, n))`, then `n <= len`, `n > 0`
+/// when `len > 0`, and the `n` bytes at `p` are mapped, readable and writable memory that
+/// stays mapped while `self` lives (other threads, the guest, may write them at any time).
+pub unsafe trait GuestRam {
     /// The host address of guest address `addr` and how many bytes from it, at most
     /// `len`, lie in the same mapping; None when `addr` is not mapped.
     fn host_span(&self, addr: u64, len: u64) -> Option<(*mut u8, u64)>;
@@ -24,7 +30,9 @@ pub trait GuestRam {
     }
 }
 
-impl<M: GuestMemoryBackend> GuestRam for M {
+// SAFETY: a region vm-memory finds maps `region.len()` bytes from its start for as long as
+// the memory object lives; the span is the part of it from `addr`, at most `len` bytes.
+unsafe impl<M: GuestMemoryBackend> GuestRam for M {
     fn host_span(&self, addr: u64, len: u64) -> Option<(*mut u8, u64)> {
         let region = self.find_region(GuestAddress(addr))?;
         let off = addr - region.start_addr().0;

@@ -101,9 +101,9 @@ impl LogView<'_> {
     }
 }
 
-/// Finish request `head` of `q` with the engine's `result` at `now` (ticks); `publish`: write the status
-/// and queue the used element (false for a queue the frontend has already stopped), and
-/// mark what the request wrote in `log` while a migration runs.
+/// Finish request `head` of `q` with the engine's `result` at `now` (ticks); `publish`:
+/// write the status and queue the used element (false for a queue the frontend has
+/// already stopped), and mark what the request wrote in `log` while a migration runs.
 /// `big` is the worker's count of grown iovec vectors and its budget (see [`BIG_SLOTS`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn complete(
