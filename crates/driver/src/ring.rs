@@ -374,11 +374,12 @@ impl SplitRing {
 
     /// Prefetch, for writing, the request lines of the heads the device has returned and
     /// this ring has not reaped yet (up to 32): their status bytes are read next, and
-    /// their header and indirect table written again when the heads are reused. Each of
-    /// those lines was last written by the device's core; asked for together they move in
-    /// parallel, where the reap's status reads would wait for them one at a time, and
-    /// arrive writable, where a read would bring them shared and the next header write
-    /// would ask again. Only hints: an id is checked when it is popped, not here.
+    /// their header, descriptor and indirect table written again when the heads are
+    /// reused; and the avail entries those requests will take. The device's core wrote or
+    /// read each of those lines last; asked for together they move in parallel, where the
+    /// reap's status reads would wait for them one at a time, and arrive owned, where a
+    /// read would bring them shared and each next write would ask again (1.2-1.3x at QD32,
+    /// docs/design-notes.md). Only hints: an id is checked when it is popped, not here.
     pub(crate) fn prefetch_used(&self) {
         let used_idx = self.used_idx().load(Ordering::Acquire);
         let n = used_idx.wrapping_sub(self.last_used).min(32);
@@ -393,10 +394,16 @@ impl SplitRing {
             if id < u32::from(self.size) {
                 let head = id as u16;
                 prefetch_write(self.aux(head));
+                prefetch_write(self.desc_ptr(head).cast());
                 if self.use_indirect {
                     prefetch_write(self.indirect_table(head));
                 }
             }
+        }
+        // The avail ring entries the next requests will take.
+        for i in (0..n).step_by(32) {
+            let slot = self.avail_idx.wrapping_add(i) & self.mask;
+            prefetch_write(self.at(self.layout.avail + 4 + 2 * usize::from(slot)));
         }
     }
 
