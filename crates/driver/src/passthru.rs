@@ -273,6 +273,8 @@ impl Passthru {
         if self.core.dead {
             return n;
         }
+        // As the block paths' reap: the returned heads' lines, asked for owned and at once.
+        self.core.ring.prefetch_used();
         while n < out.len() {
             let Some(r) = self.core.ring.pop_used() else {
                 break;
