@@ -375,11 +375,12 @@ impl SplitRing {
     /// Prefetch, for writing, the request lines of the heads the device has returned and
     /// this ring has not reaped yet (up to 32): their status bytes are read next, and
     /// their header, descriptor and indirect table written again when the heads are
-    /// reused; and the avail entries those requests will take. The device's core wrote or
-    /// read each of those lines last; asked for together they move in parallel, where the
-    /// reap's status reads would wait for them one at a time, and arrive owned, where a
-    /// read would bring them shared and each next write would ask again (1.2-1.3x at QD32,
-    /// docs/design-notes.md). Only hints: an id is checked when it is popped, not here.
+    /// reused; and the avail ring's line where the next requests' entries start. The
+    /// device's core wrote or read each of those lines last; asked for together they move
+    /// in parallel, where the reap's status reads would wait for them one at a time, and
+    /// arrive owned, where a read would bring them shared and each next write would ask
+    /// again (docs/design-notes.md has the A/B runs). Only hints: an id is checked when it
+    /// is popped, not here.
     pub(crate) fn prefetch_used(&self) {
         let used_idx = self.used_idx().load(Ordering::Acquire);
         let n = used_idx.wrapping_sub(self.last_used).min(32);
@@ -400,11 +401,10 @@ impl SplitRing {
                 }
             }
         }
-        // The avail ring entries the next requests will take.
-        for i in (0..n).step_by(32) {
-            let slot = self.avail_idx.wrapping_add(i) & self.mask;
-            prefetch_write(self.at(self.layout.avail + 4 + 2 * usize::from(slot)));
-        }
+        // The avail ring's line where the next requests' entries start (their entries may
+        // run into the next line, which is not asked for: what was measured).
+        let slot = self.avail_idx & self.mask;
+        prefetch_write(self.at(self.layout.avail + 4 + 2 * usize::from(slot)));
     }
 
     /// Whether the used ring holds entries not yet reaped.
