@@ -404,22 +404,19 @@ def many_disk_rows(d):
                 "vblk-16x1", "cpu_vs_16x1", "≤ 0.5×", 0.5)
         cpu_row("16 disks: device µs CPU per I/O, one daemon vs qsd with 16 exports",
                 "qsd-1x16", "cpu_vs_qsd", "≤ 1×", 1)
-        measure = ("16 disks: p99 of the disk it grows most for, one daemon vs a daemon of "
-                   "its own (the same 16 jobs on CPU 0)")
-        t = g.get("tail_vs_own")
-        if t is None:
-            rows.append((measure, unmeasured, "–", "≤ 2×", "–"))
-        else:
-            rows.append((measure, f"disk {t['disk']}: {t['shared_us']:.1f} vs {t['own_us']:.1f} µs",
-                         f"{t['ratio']:.2f}×", "≤ 2×", t["ratio"] <= 2))
-        measure = ("16 disks: worst disk's p99 in one daemon vs one disk and one job alone "
-                   "(the 16 jobs keep CPU 0 busy: see the sharing table)")
-        t = g.get("tail_vs_alone")
-        if t is None:
-            rows.append((measure, unmeasured, "–", "≤ 2×", "–"))
-        else:
-            rows.append((measure, f"{t['worst_us']:.1f} vs {t['alone_us']:.1f} µs",
-                         f"{t['ratio']:.2f}×", "≤ 2×", t["ratio"] <= 2))
+        def tail_row(measure, key, figure):
+            t = g.get(key)
+            if t is None:
+                rows.append((measure, unmeasured, "–", "≤ 2×", "–"))
+            else:
+                rows.append((measure, figure(t), f"{t['ratio']:.2f}×", "≤ 2×", t["ratio"] <= 2))
+
+        tail_row("16 disks: p99 of the disk it grows most for, one daemon vs a daemon of "
+                 "its own (the same 16 jobs on CPU 0)", "tail_vs_own",
+                 lambda t: f"disk {t['disk']}: {t['shared_us']:.1f} vs {t['own_us']:.1f} µs")
+        tail_row("16 disks: worst disk's p99 in one daemon vs one disk and one job alone "
+                 "(the 16 jobs keep CPU 0 busy: see the sharing table)", "tail_vs_alone",
+                 lambda t: f"{t['worst_us']:.1f} vs {t['alone_us']:.1f} µs")
     qos = os.path.join(d, "qos.txt")
     if os.path.exists(qos):
         errors = []
