@@ -8,7 +8,7 @@
 #   bash bench/device-ab.sh REV_A REV_B [REPEAT] [RUNTIME_S] [TABLES] [-- SERVE_ARGS...]
 #
 # REV_A, REV_B: git revisions (built in worktrees under /var/tmp/vblk-ab) or paths to vblk
-# binaries. TABLES (default all): null-qd1 null-qd32 mem-qd32 file-qd32. SERVE_ARGS go to
+# binaries. TABLES (default all): null-qd1 null-qd32 mem-qd32 file-qd1 file-qd32. SERVE_ARGS go to
 # both devices (flags both builds know). Columns to read: IOPS, and "dev IOPS/CPU-s" (its
 # inverse is the device's CPU time per request). Each table's header has the load average
 # at its start.
@@ -24,7 +24,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do POS+=("$1"); shift; done
 EXTRA=("$@")
 REPEAT=${POS[0]:-5}
 RUNTIME=${POS[1]:-5}
-TABLES=${POS[2]:-"null-qd1 null-qd32 mem-qd32 file-qd32"}
+TABLES=${POS[2]:-"null-qd1 null-qd32 mem-qd32 file-qd1 file-qd32"}
 
 . bench/lib/build-rev.sh
 VA=$(build "$A")
@@ -77,11 +77,12 @@ if want mem-qd32; then
   bench "mem-qd32: RAM disk, QD32, saturation" --iodepth=32 --compare "$PAIR"
   stop_all
 fi
-if want file-qd32; then
+if want file-qd1 || want file-qd32; then
   IMG=$D/disk.img
   dd if=/dev/urandom of="$IMG" bs=1M count=1024 status=none
   sync
   pair "$IMG" --cache none
-  bench "file-qd32: O_DIRECT file, QD32" --iodepth=32 --compare "$PAIR"
+  want file-qd1 && bench "file-qd1: O_DIRECT file, QD1" --iodepth=1 --compare "$PAIR"
+  want file-qd32 && bench "file-qd32: O_DIRECT file, QD32" --iodepth=32 --compare "$PAIR"
   stop_all
 fi

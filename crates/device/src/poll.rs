@@ -52,6 +52,16 @@
 //! - **Within those bounds the window adapts**: when spinning found work it doubles; when
 //!   it ran out it halves, down to the floor.
 //!
+//! - **Two kinds of idle period, learned apart.** An idle period with operations at
+//!   the disk waits for the disk as much as for the guest; one with none waits for the
+//!   guest alone. They are different waits: at QD1 on an O_DIRECT file the first lasts a
+//!   disk's latency (tens of µs: spinning it is lost), the second the driver's answer to
+//!   a completion (a µs or two: spinning it saves a wake-up per request). One window fed
+//!   by both learned from the first to sleep at once in the second, and the worker slept
+//!   twice per request (two wake-ups, where qemu-storage-daemon's main loop takes one).
+//!   So each kind has its own window, grace and CPU figures; a sleep's cost, the regime
+//!   and the trials are the thread's.
+//!
 //! `--poll-us` is the ceiling. Until the first sleep has been measured the ceiling alone
 //! bounds the window.
 //!
@@ -274,29 +284,47 @@ enum Ended {
     Miss(Duration),
 }
 
-/// The polling window of one worker.
+/// What an idle period waits for (each kind has its own [`Window`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// Nothing is at the disk: only the guest can bring work.
+    Guest = 0,
+    /// Operations are at the disk: their completions, or the guest, bring work.
+    Disk = 1,
+}
+
+/// What one kind of idle period has taught the worker.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Poll {
-    /// `--poll-us`: the window never exceeds it.
-    max: Duration,
+struct Window {
     /// The adaptive window, before the bounds.
     cur: Duration,
-    /// One sleep's CPU cost, ns (measured one sleep in SAMPLE_EVERY).
-    sleep_cost: Avg,
     /// CPU spent on each polled idle period, ns: the spin, and the sleep after a miss.
     poll_cost: Avg,
     /// Work served after each polled idle period.
     poll_work: Avg,
     /// Work served after each sleep.
     sleep_work: Avg,
-    /// How the idle period before the current busy period ended.
-    last: Option<Ended>,
+    /// `--poll-us 0`: the last grace spun found work.
+    grace: bool,
+}
+
+/// The polling window of one worker.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Poll {
+    /// `--poll-us`: the window never exceeds it.
+    max: Duration,
+    /// One sleep's CPU cost, ns (measured one sleep in SAMPLE_EVERY).
+    sleep_cost: Avg,
+    /// Per [`Wait`]: its window and figures.
+    kinds: [Window; 2],
+    /// What the current (or last) idle period waits for.
+    wait: Wait,
+    /// How the idle period before the current busy period ended, and its kind.
+    last: Option<(Wait, Ended)>,
     /// Sleeps until the next measurement.
     until_sample: u32,
     /// Idle periods begun (the probes are counted in them).
     idle_periods: u32,
-    /// `--poll-us 0`: the last grace spun found work.
-    grace: bool,
     /// `--coalesce-us`: the longest a coalescing sleep leaves kicks off (0: never).
     coalesce: Duration,
     trial: Trial,
@@ -310,17 +338,21 @@ impl Poll {
             Regime::Lean => true,
             Regime::Coalesce => coalesce_us > 0,
         });
-        Poll {
-            max,
+        let window = Window {
             cur: max,
-            sleep_cost: Avg::default(),
             poll_cost: Avg::default(),
             poll_work: Avg::default(),
             sleep_work: Avg::default(),
+            grace: false,
+        };
+        Poll {
+            max,
+            sleep_cost: Avg::default(),
+            kinds: [window; 2],
+            wait: Wait::Guest,
             last: None,
             until_sample: 0,
             idle_periods: 0,
-            grace: false,
             coalesce: Duration::from_micros(coalesce_us),
             trial: Trial {
                 next_at: Instant::now(),
@@ -467,14 +499,21 @@ impl Poll {
         }
     }
 
-    /// The adaptive regime's CPU rule: whether polling costs no more CPU per unit of work
-    /// than sleeping (true until both have been seen).
+    /// The current kind of idle period's window and figures.
+    fn kind(&self) -> &Window {
+        &self.kinds[self.wait as usize]
+    }
+
+    /// The adaptive regime's CPU rule, for the current kind of idle period: whether
+    /// polling costs no more CPU per unit of work than sleeping (true until both have
+    /// been seen).
     pub(crate) fn pays(&self) -> bool {
+        let k = self.kind();
         let (Some(w), Some(pc), Some(pw), Some(sw)) = (
             self.sleep_cost.0,
-            self.poll_cost.0,
-            self.poll_work.0,
-            self.sleep_work.0,
+            k.poll_cost.0,
+            k.poll_work.0,
+            k.sleep_work.0,
         ) else {
             return true;
         };
@@ -483,16 +522,17 @@ impl Poll {
         pc * sw <= w * pw
     }
 
-    /// The worker's queues ran dry: an idle period begins.
-    pub(crate) fn idle(&mut self) {
+    /// The worker's queues ran dry: an idle period begins, waiting for `wait`.
+    pub(crate) fn idle(&mut self, wait: Wait) {
         self.idle_periods = self.idle_periods.wrapping_add(1);
+        self.wait = wait;
     }
 
     /// How long to spin in this idle period.
     pub(crate) fn window(&self) -> Duration {
         match self.regime() {
             Regime::Lean => {
-                if self.grace || self.idle_periods.is_multiple_of(GRACE_PROBE_EVERY) {
+                if self.kind().grace || self.idle_periods.is_multiple_of(GRACE_PROBE_EVERY) {
                     if self.max.is_zero() {
                         GRACE
                     } else {
@@ -514,7 +554,7 @@ impl Poll {
     fn adaptive_window(&self) -> Duration {
         let b = self.bound();
         if self.pays() {
-            self.cur.clamp(b / 32, b)
+            self.kind().cur.clamp(b / 32, b)
         } else if self.idle_periods.is_multiple_of(PROBE_EVERY) {
             b / 32
         } else {
@@ -524,16 +564,20 @@ impl Poll {
 
     /// Spinning found work after spinning `spun`.
     pub(crate) fn hit(&mut self, spun: Duration) {
-        self.grace = true;
-        self.cur = (self.adaptive_window() * 2).min(self.bound());
-        self.last = Some(Ended::Hit(spun));
+        let cur = (self.adaptive_window() * 2).min(self.bound());
+        let k = &mut self.kinds[self.wait as usize];
+        k.grace = true;
+        k.cur = cur;
+        self.last = Some((self.wait, Ended::Hit(spun)));
     }
 
     /// Spinning ran out without work (the worker is about to sleep).
     pub(crate) fn miss(&mut self) {
-        self.grace = false;
-        self.last = Some(Ended::Miss(self.window()));
-        self.cur = (self.cur / 2).max(self.bound() / 32);
+        self.last = Some((self.wait, Ended::Miss(self.window())));
+        let floor = self.bound() / 32;
+        let k = &mut self.kinds[self.wait as usize];
+        k.grace = false;
+        k.cur = (k.cur / 2).max(floor);
     }
 
     /// The busy period after the last idle period ended, having served `work` (requests
@@ -543,16 +587,18 @@ impl Poll {
             self.trial.work[r as usize] += work;
         }
         let work = work as f64;
+        let sleep = self.sleep_cost.0.unwrap_or(0.0);
         match self.last.take() {
-            Some(Ended::Hit(spun)) => {
-                self.poll_cost.add(spun.as_nanos() as f64);
-                self.poll_work.add(work);
+            Some((wait, Ended::Hit(spun))) => {
+                let k = &mut self.kinds[wait as usize];
+                k.poll_cost.add(spun.as_nanos() as f64);
+                k.poll_work.add(work);
             }
-            Some(Ended::Miss(window)) => {
-                let sleep = self.sleep_cost.0.unwrap_or(0.0);
-                self.poll_cost.add(window.as_nanos() as f64 + sleep);
-                self.poll_work.add(work);
-                self.sleep_work.add(work);
+            Some((wait, Ended::Miss(window))) => {
+                let k = &mut self.kinds[wait as usize];
+                k.poll_cost.add(window.as_nanos() as f64 + sleep);
+                k.poll_work.add(work);
+                k.sleep_work.add(work);
             }
             None => {}
         }

@@ -22,7 +22,7 @@ fn window_adapts_within_the_ceiling_before_any_sleep_is_measured() {
 #[test]
 fn poll_zero_spins_only_a_grace_while_it_finds_work_and_never_measures() {
     let mut off = Poll::new(0, 0);
-    off.idle();
+    off.idle(Wait::Guest);
     assert_eq!(off.window(), Duration::ZERO, "no grace before one has hit");
     off.hit(US);
     assert_eq!(off.window(), GRACE);
@@ -37,7 +37,7 @@ fn poll_zero_spins_only_a_grace_while_it_finds_work_and_never_measures() {
     off.miss();
     let spun = (0..GRACE_PROBE_EVERY * 4)
         .filter(|_| {
-            off.idle();
+            off.idle(Wait::Guest);
             !off.window().is_zero()
         })
         .count();
@@ -132,6 +132,65 @@ fn polling_pays_when_requests_come_back_sooner_than_a_sleep_costs() {
     assert_eq!(p.window(), 10 * US, "the full bound");
 }
 
+/// QD1 on an O_DIRECT file: each request's idle period at the disk lasts the disk's
+/// latency (30 µs, longer than a sleep costs: the window runs out), and the idle period
+/// after its completion ends when the driver answers (1 µs). The second kind must keep
+/// its window (one wake-up per request); fed by the first, it slept at once (two).
+fn qd1_at_a_slow_disk(p: &mut Poll, requests: usize) {
+    for _ in 0..requests {
+        p.idle(Wait::Disk);
+        if !p.window().is_zero() {
+            p.miss();
+        }
+        p.slept(10 * US);
+        p.busy(1);
+        p.idle(Wait::Guest);
+        if p.window().is_zero() {
+            p.miss();
+            p.slept(10 * US);
+        } else {
+            p.hit(US);
+        }
+        p.busy(1);
+    }
+}
+
+/// Of `n` idle periods waiting for `wait`, how many spin.
+fn spinning(p: &mut Poll, wait: Wait, n: u32) -> usize {
+    (0..n)
+        .filter(|_| {
+            p.idle(wait);
+            !p.window().is_zero()
+        })
+        .count()
+}
+
+#[test]
+fn waits_for_the_disk_do_not_teach_the_worker_to_sleep_through_the_guests_answer() {
+    let mut adapt = Poll::new(200, 0);
+    qd1_at_a_slow_disk(&mut adapt, 200);
+    adapt.idle(Wait::Guest);
+    assert!(adapt.pays(), "spinning for the guest's answer pays");
+    assert_eq!(adapt.window(), 10 * US, "the full bound for the guest");
+    adapt.idle(Wait::Disk);
+    assert!(!adapt.pays(), "spinning for a 30 µs disk does not");
+    assert_eq!(
+        spinning(&mut adapt, Wait::Disk, PROBE_EVERY),
+        1,
+        "only the probe spins while the disk is busy"
+    );
+
+    let mut lean = Poll::new(0, 0);
+    qd1_at_a_slow_disk(&mut lean, 200);
+    lean.idle(Wait::Guest);
+    assert_eq!(lean.window(), GRACE, "the grace is kept for the guest");
+    assert_eq!(
+        spinning(&mut lean, Wait::Disk, GRACE_PROBE_EVERY),
+        1,
+        "and dropped for the disk, but for its probe"
+    );
+}
+
 #[test]
 fn polling_stops_when_a_wake_up_serves_many_requests_at_once() {
     // 500 k IOPS offered: requests 2 µs apart, one per hit, while a 10 µs sleep finds
@@ -142,7 +201,7 @@ fn polling_stops_when_a_wake_up_serves_many_requests_at_once() {
     assert!(!p.pays());
     let windows: Vec<Duration> = (0..2 * PROBE_EVERY)
         .map(|_| {
-            p.idle();
+            p.idle(Wait::Guest);
             p.window()
         })
         .collect();
@@ -177,12 +236,12 @@ fn windows_that_run_out_shrink_to_the_floor() {
     misses(&mut p, 40, 8 * US, 2);
     assert!(!p.pays());
     while !p.window().is_zero() {
-        p.idle();
+        p.idle(Wait::Guest);
     }
-    p.idle();
+    p.idle(Wait::Guest);
     assert!(p.window().is_zero());
     while p.window().is_zero() {
-        p.idle();
+        p.idle(Wait::Guest);
     }
     assert_eq!(p.window(), 8 * US / 32, "a probe spins the floor");
 }
@@ -270,12 +329,12 @@ fn trials_choose_the_grace_for_a_paced_guest_where_polling_costs_more() {
         Regime::Coalesce => unreachable!("not allowed"),
     });
     assert_eq!(p.regime(), Regime::Lean);
-    p.idle();
+    p.idle(Wait::Guest);
     p.hit(US);
     assert_eq!(p.window(), GRACE, "the grace while it finds work");
     p.miss();
-    p.idle();
-    p.idle();
+    p.idle(Wait::Guest);
+    p.idle(Wait::Guest);
     assert!(p.window().is_zero(), "dropped at the first miss");
     // The guest turns to QD32 at saturation: the next trial sees it.
     trial(&mut p, t + TRIAL_EVERY, |r| match r {
@@ -459,7 +518,7 @@ fn trials_space_out_while_the_choice_holds_and_never_run_with_polling_off() {
     off.tick(t0 + 10 * TRIAL_EVERY, || Duration::ZERO);
     assert!(off.forced_regime().is_none());
     assert_eq!(off.regime(), Regime::Lean);
-    off.idle();
+    off.idle(Wait::Guest);
     assert!(off.window().is_zero(), "no grace before one found work");
 }
 
@@ -483,7 +542,7 @@ fn trials_coalesce_a_paced_guest_when_allowed_and_cheapest_and_drop_it_at_qd1() 
     });
     assert_eq!(p.choice(), Regime::Coalesce);
     assert_eq!(p.coalescing(), Some(20 * US));
-    p.idle();
+    p.idle(Wait::Guest);
     assert!(p.window().is_zero(), "no spin before a coalescing sleep");
     // A guest 10 % slower for half the CPU per request: within the rule's margin (a
     // faster regime must bring at least GAIN_MIN), coalescing stays.

@@ -329,6 +329,12 @@ impl Worker {
             })
     }
 
+    /// Whether operations of this worker are at the engine (their completions will
+    /// bring work without the guest).
+    pub(super) fn at_disk(&self) -> bool {
+        self.in_flight > 0
+    }
+
     /// Whether the worker was told to end.
     pub(super) fn exiting(&self) -> bool {
         self.exit

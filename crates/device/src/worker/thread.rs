@@ -5,7 +5,8 @@
 //!
 //! One round serves each worker once (commands, then a pass over its queues). Rounds
 //! repeat while any worker makes progress, then for the polling window (poll.rs: one
-//! window per thread, fed by the work of all its workers); then every worker re-arms its
+//! window per thread and kind of idle period, fed by the work of all its workers; the
+//! kind is whether any worker has operations at the disk); then every worker re-arms its
 //! kicks and the thread sleeps until a kick, a completion, a command or the earliest
 //! deadline of any worker. Coalescing (`--coalesce-us`, poll.rs) puts a timed sleep with
 //! kicks still off before that, for as long as such sleeps are followed by work.
@@ -28,7 +29,7 @@ use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{nanos, Worker};
-use crate::poll::Poll;
+use crate::poll::{Poll, Wait};
 use crate::stats::{bump, WorkerStats};
 
 /// Empty polling rounds between two reads of the clock.
@@ -162,10 +163,17 @@ impl WorkerThread {
                 continue;
             }
             now = Instant::now();
-            let since = *idle_since.get_or_insert_with(|| {
-                self.poll.idle();
-                now
-            });
+            let since = match idle_since {
+                Some(t) => t,
+                None => {
+                    // What this idle period waits for: the disk too, or the guest alone
+                    // (poll.rs learns the two apart).
+                    let at_disk = self.workers.iter().any(|w| w.at_disk());
+                    self.poll
+                        .idle(if at_disk { Wait::Disk } else { Wait::Guest });
+                    *idle_since.insert(now)
+                }
+            };
             if now.duration_since(since) < self.poll.window() {
                 polling = true;
                 std::hint::spin_loop();
