@@ -306,6 +306,9 @@ struct Window {
     sleep_work: Avg,
     /// `--poll-us 0`: the last grace spun found work.
     grace: bool,
+    /// Idle periods of this kind begun (the probes are counted in them: at QD1 the two
+    /// kinds alternate, and a count shared by both would give every probe to one kind).
+    periods: u32,
 }
 
 /// The polling window of one worker.
@@ -323,8 +326,6 @@ pub(crate) struct Poll {
     last: Option<(Wait, Ended)>,
     /// Sleeps until the next measurement.
     until_sample: u32,
-    /// Idle periods begun (the probes are counted in them).
-    idle_periods: u32,
     /// `--coalesce-us`: the longest a coalescing sleep leaves kicks off (0: never).
     coalesce: Duration,
     trial: Trial,
@@ -344,6 +345,7 @@ impl Poll {
             poll_work: Avg::default(),
             sleep_work: Avg::default(),
             grace: false,
+            periods: 0,
         };
         Poll {
             max,
@@ -352,7 +354,6 @@ impl Poll {
             wait: Wait::Guest,
             last: None,
             until_sample: 0,
-            idle_periods: 0,
             coalesce: Duration::from_micros(coalesce_us),
             trial: Trial {
                 next_at: Instant::now(),
@@ -524,15 +525,16 @@ impl Poll {
 
     /// The worker's queues ran dry: an idle period begins, waiting for `wait`.
     pub(crate) fn idle(&mut self, wait: Wait) {
-        self.idle_periods = self.idle_periods.wrapping_add(1);
         self.wait = wait;
+        let k = &mut self.kinds[wait as usize];
+        k.periods = k.periods.wrapping_add(1);
     }
 
     /// How long to spin in this idle period.
     pub(crate) fn window(&self) -> Duration {
         match self.regime() {
             Regime::Lean => {
-                if self.kind().grace || self.idle_periods.is_multiple_of(GRACE_PROBE_EVERY) {
+                if self.kind().grace || self.kind().periods.is_multiple_of(GRACE_PROBE_EVERY) {
                     if self.max.is_zero() {
                         GRACE
                     } else {
@@ -555,7 +557,7 @@ impl Poll {
         let b = self.bound();
         if self.pays() {
             self.kind().cur.clamp(b / 32, b)
-        } else if self.idle_periods.is_multiple_of(PROBE_EVERY) {
+        } else if self.kind().periods.is_multiple_of(PROBE_EVERY) {
             b / 32
         } else {
             Duration::ZERO

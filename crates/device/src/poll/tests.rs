@@ -136,10 +136,14 @@ fn polling_pays_when_requests_come_back_sooner_than_a_sleep_costs() {
 /// latency (30 µs, longer than a sleep costs: the window runs out), and the idle period
 /// after its completion ends when the driver answers (1 µs). The second kind must keep
 /// its window (one wake-up per request); fed by the first, it slept at once (two).
-fn qd1_at_a_slow_disk(p: &mut Poll, requests: usize) {
+/// Returns how many of the idle periods at the disk spun (probes, once polling there
+/// has been found not to pay).
+fn qd1_at_a_slow_disk(p: &mut Poll, requests: usize) -> usize {
+    let mut disk_spins = 0;
     for _ in 0..requests {
         p.idle(Wait::Disk);
         if !p.window().is_zero() {
+            disk_spins += 1;
             p.miss();
         }
         p.slept(10 * US);
@@ -153,6 +157,7 @@ fn qd1_at_a_slow_disk(p: &mut Poll, requests: usize) {
         }
         p.busy(1);
     }
+    disk_spins
 }
 
 /// Of `n` idle periods waiting for `wait`, how many spin.
@@ -168,7 +173,11 @@ fn spinning(p: &mut Poll, wait: Wait, n: u32) -> usize {
 #[test]
 fn waits_for_the_disk_do_not_teach_the_worker_to_sleep_through_the_guests_answer() {
     let mut adapt = Poll::new(200, 0);
-    qd1_at_a_slow_disk(&mut adapt, 200);
+    let probes = qd1_at_a_slow_disk(&mut adapt, 200);
+    assert!(
+        probes >= 200 / PROBE_EVERY as usize,
+        "the disk's idle periods are probed, though the kinds alternate: {probes}"
+    );
     adapt.idle(Wait::Guest);
     assert!(adapt.pays(), "spinning for the guest's answer pays");
     assert_eq!(adapt.window(), 10 * US, "the full bound for the guest");
@@ -181,7 +190,12 @@ fn waits_for_the_disk_do_not_teach_the_worker_to_sleep_through_the_guests_answer
     );
 
     let mut lean = Poll::new(0, 0);
-    qd1_at_a_slow_disk(&mut lean, 200);
+    let probes = qd1_at_a_slow_disk(&mut lean, 200);
+    assert_eq!(
+        probes,
+        200 / GRACE_PROBE_EVERY as usize,
+        "one grace in 32 at the disk"
+    );
     lean.idle(Wait::Guest);
     assert_eq!(lean.window(), GRACE, "the grace is kept for the guest");
     assert_eq!(
