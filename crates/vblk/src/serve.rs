@@ -108,7 +108,9 @@ pub struct DaemonArgs {
     /// (one idle period in 32 tries it again). The window is also
     /// bounded by the CPU a sleep costs the worker (measured), shrinks when polling finds
     /// nothing, and drops to a thirty-second of its bound while polling costs more CPU per
-    /// request than sleeping (a paced or slow load). Every 1-4 s (100 ms after a trial
+    /// request than sleeping (a paced or slow load). Idle periods with requests at the
+    /// disk and those with none are learned apart: a slow disk does not stop the worker
+    /// from catching the guest's next request. Every 1-4 s (100 ms after a trial
     /// that could not tell) the worker tries 10 ms each of the full window, the adaptive
     /// one and the grace alone (and coalescing, with --coalesce-us), and keeps the one that costs the least CPU per request
     /// unless another makes the guest faster by at least 1.2x and by as much as it costs:
