@@ -4,7 +4,7 @@
 //! notifications and sleeps. Spinning costs the CPU it spins for; sleeping costs the CPU of
 //! one trip through the scheduler (block in epoll, be woken by an eventfd), which the
 //! worker measures on itself (on a nested VM 4-16 µs, on bare metal 1-3 µs), plus the
-//! latency of the wake-up. Three rules bound what polling may cost:
+//! latency of the wake-up. These rules bound what polling may cost:
 //!
 //! - **The window never exceeds the measured cost of a sleep.** This is spin-then-block
 //!   with the spin bounded by the cost of blocking (the ski-rental rule): whenever the next
@@ -59,8 +59,12 @@
 //!   a completion (a µs or two: spinning it saves a wake-up per request). One window fed
 //!   by both learned from the first to sleep at once in the second, and the worker slept
 //!   twice per request (two wake-ups, where qemu-storage-daemon's main loop takes one).
-//!   So each kind has its own window, grace and CPU figures; a sleep's cost, the regime
-//!   and the trials are the thread's.
+//!   So each kind has its own window, grace, CPU figures and count of idle periods (in
+//!   which the probes below are counted: "one idle period in N" is one of its kind); a
+//!   sleep's cost, the regime and the trials are the thread's. The kind is the thread's
+//!   too: an idle period is the disk's when any worker on the thread has requests at its
+//!   engine or held by QoS limits as it begins, so the split helps at QD1, and a thread
+//!   whose disks always have requests at the engine (QD32 on a file) learns as before.
 //!
 //! `--poll-us` is the ceiling. Until the first sleep has been measured the ceiling alone
 //! bounds the window.
@@ -289,7 +293,8 @@ enum Ended {
 pub(crate) enum Wait {
     /// Nothing is at the disk: only the guest can bring work.
     Guest = 0,
-    /// Operations are at the disk: their completions, or the guest, bring work.
+    /// Requests are at the engine or held by QoS limits: their completions (or their
+    /// slots), or the guest, bring work.
     Disk = 1,
 }
 
@@ -304,14 +309,14 @@ struct Window {
     poll_work: Avg,
     /// Work served after each sleep.
     sleep_work: Avg,
-    /// `--poll-us 0`: the last grace spun found work.
+    /// The lean regime (`--poll-us 0`'s only one): the last grace spun found work.
     grace: bool,
     /// Idle periods of this kind begun (the probes are counted in them: at QD1 the two
     /// kinds alternate, and a count shared by both would give every probe to one kind).
     periods: u32,
 }
 
-/// The polling window of one worker.
+/// The polling windows of one worker thread (one per [`Wait`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Poll {
     /// `--poll-us`: the window never exceeds it.

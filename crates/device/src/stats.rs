@@ -150,7 +150,9 @@ pub(crate) struct WorkerStats {
     pub sleeps: AtomicU64,
     /// The worker's running estimate of the CPU one sleep costs it, ns (0: not measured).
     pub sleep_cost_ns: AtomicU64,
-    /// The polling window when the worker last went to sleep, ns.
+    /// The polling window when the worker last went to sleep, ns: the window of that idle
+    /// period's kind (poll.rs, `Wait`; at QD1 on a slow disk, the disk's, which is 0 or
+    /// the floor, while the guest's may be the full bound).
     pub poll_window_ns: AtomicU64,
     /// How the worker spends its idle periods between trials (`poll::Regime` as a number,
     /// 0 the adaptive window): the last trial's choice (poll.rs), stored at the end of

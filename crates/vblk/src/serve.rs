@@ -105,13 +105,14 @@ pub struct DaemonArgs {
     /// After its queues run dry a worker keeps polling for up to this many microseconds
     /// before it re-enables notifications and sleeps. 0: no window, only a grace of 4 µs
     /// while the guest answers completions within it (QD1), dropped at the first miss
-    /// (one idle period in 32 tries it again). The window is also
+    /// (one idle period in 32 of its kind tries it again). The window is also
     /// bounded by the CPU a sleep costs the worker (measured), shrinks when polling finds
     /// nothing, and drops to a thirty-second of its bound while polling costs more CPU per
-    /// request than sleeping (a paced or slow load). Idle periods with requests at the
-    /// disk and those with none are learned apart: a slow disk does not stop the worker
-    /// from catching the guest's next request. Every 1-4 s (100 ms after a trial
-    /// that could not tell) the worker tries 10 ms each of the full window, the adaptive
+    /// request than sleeping (a paced or slow load). Idle periods with requests in
+    /// flight on the worker thread (at the disk, or held by --throttle) and those with
+    /// none are learned apart, each with its own window, grace and probes: at QD1 a slow
+    /// disk does not stop the worker from catching the guest's next request. Every
+    /// 1-4 s (100 ms after a trial that could not tell) the worker tries 10 ms each of the full window, the adaptive
     /// one and the grace alone (and coalescing, with --coalesce-us), and keeps the one that costs the least CPU per request
     /// unless another makes the guest faster by at least 1.2x and by as much as it costs:
     /// `vblk stats` shows the figures and the choice.

@@ -132,30 +132,44 @@ fn polling_pays_when_requests_come_back_sooner_than_a_sleep_costs() {
     assert_eq!(p.window(), 10 * US, "the full bound");
 }
 
+/// One idle period as `worker/thread.rs` runs it: spin the window (if any) for work that
+/// comes after `comes_in`; if it does not come within it, sleep (measured when due).
+/// The busy period after it serves one unit of work.
+fn idle_period(p: &mut Poll, wait: Wait, comes_in: Duration) -> bool {
+    p.idle(wait);
+    let window = p.window();
+    let spun = !window.is_zero();
+    if spun && comes_in <= window {
+        p.hit(comes_in);
+    } else {
+        if spun {
+            p.miss();
+        }
+        if p.sample_due() {
+            p.slept(10 * US);
+        }
+    }
+    p.busy(1);
+    spun
+}
+
 /// QD1 on an O_DIRECT file: each request's idle period at the disk lasts the disk's
 /// latency (30 µs, longer than a sleep costs: the window runs out), and the idle period
-/// after its completion ends when the driver answers (1 µs). The second kind must keep
-/// its window (one wake-up per request); fed by the first, it slept at once (two).
+/// after its completion ends when the driver answers (1 µs; 50 µs one time in
+/// `late_every` when that is not 0, a driver that was preempted). The second kind must
+/// keep its window (one wake-up per request); fed by the first, it slept at once (two).
 /// Returns how many of the idle periods at the disk spun (probes, once polling there
 /// has been found not to pay).
-fn qd1_at_a_slow_disk(p: &mut Poll, requests: usize) -> usize {
-    let mut disk_spins = 0;
-    for _ in 0..requests {
-        p.idle(Wait::Disk);
-        if !p.window().is_zero() {
-            disk_spins += 1;
-            p.miss();
-        }
+fn qd1_at_a_slow_disk(p: &mut Poll, requests: usize, late_every: usize) -> usize {
+    // A sleep has been measured (a trial's lean epoch sleeps): the bound is 10 µs.
+    if p.sample_due() {
         p.slept(10 * US);
-        p.busy(1);
-        p.idle(Wait::Guest);
-        if p.window().is_zero() {
-            p.miss();
-            p.slept(10 * US);
-        } else {
-            p.hit(US);
-        }
-        p.busy(1);
+    }
+    let mut disk_spins = 0;
+    for i in 0..requests {
+        disk_spins += usize::from(idle_period(p, Wait::Disk, 30 * US));
+        let late = late_every != 0 && i % late_every == late_every / 2;
+        idle_period(p, Wait::Guest, if late { 50 * US } else { US });
     }
     disk_spins
 }
@@ -173,12 +187,16 @@ fn spinning(p: &mut Poll, wait: Wait, n: u32) -> usize {
 #[test]
 fn waits_for_the_disk_do_not_teach_the_worker_to_sleep_through_the_guests_answer() {
     let mut adapt = Poll::new(200, 0);
-    let probes = qd1_at_a_slow_disk(&mut adapt, 200);
+    let probes = qd1_at_a_slow_disk(&mut adapt, 200, 10);
     assert!(
         probes >= 200 / PROBE_EVERY as usize,
         "the disk's idle periods are probed, though the kinds alternate: {probes}"
     );
     adapt.idle(Wait::Guest);
+    assert!(
+        adapt.kinds[Wait::Guest as usize].sleep_work.0.is_some(),
+        "the guest's late answers were slept for: its figures are complete"
+    );
     assert!(adapt.pays(), "spinning for the guest's answer pays");
     assert_eq!(adapt.window(), 10 * US, "the full bound for the guest");
     adapt.idle(Wait::Disk);
@@ -190,7 +208,7 @@ fn waits_for_the_disk_do_not_teach_the_worker_to_sleep_through_the_guests_answer
     );
 
     let mut lean = Poll::new(0, 0);
-    let probes = qd1_at_a_slow_disk(&mut lean, 200);
+    let probes = qd1_at_a_slow_disk(&mut lean, 200, 0);
     assert_eq!(
         probes,
         200 / GRACE_PROBE_EVERY as usize,

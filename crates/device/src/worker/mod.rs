@@ -329,8 +329,9 @@ impl Worker {
             })
     }
 
-    /// Whether operations of this worker are at the engine (their completions will
-    /// bring work without the guest).
+    /// Whether this worker has requests in flight: at the engine, in its backlog, or
+    /// held by QoS limits (`in_flight` counts them all). Their completions or slots will
+    /// bring work without the guest (poll.rs, `Wait::Disk`).
     pub(super) fn at_disk(&self) -> bool {
         self.in_flight > 0
     }
