@@ -6,9 +6,11 @@
 #
 #   quick   about 10 minutes: one run per variant, 2 s each (3 s for the device tables),
 #           the hard-disk tables' sequential rows only, no many-disk tables
-#   full    about 45 minutes (the default): 3 runs per variant taking turns, 3 s each
-#           (5 s for the device tables), the random hard-disk rows, and the many-disk
-#           sharing and QoS tables (bench/sharing.sh, bench/qos.sh, 10 s windows)
+#   full    about 65 minutes (the default): 3 runs per variant taking turns, 3 s each
+#           (5 s for the device tables; 10 rounds for the disk-bound QD32 device tables,
+#           whose paired ratios decide goals: bench/devices.sh, DISK_REPEAT), the random
+#           hard-disk rows, and the many-disk sharing and QoS tables (bench/sharing.sh,
+#           bench/qos.sh, 10 s windows)
 #
 # OUT_DIR (default bench/results/DATE-COMMIT-MODE) gets machine.txt (the machine and its
 # state), manifest.tsv (per table: id, title, load average at its start, command), one
@@ -21,8 +23,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-full}
 case $MODE in
-quick) REPEAT=1 RUNTIME=2 DEV_RUNTIME=3 ;;
-full) REPEAT=3 RUNTIME=3 DEV_RUNTIME=5 ;;
+quick) REPEAT=1 RUNTIME=2 DEV_RUNTIME=3 DISK_REPEAT=1 ;;
+full) REPEAT=3 RUNTIME=3 DEV_RUNTIME=5 DISK_REPEAT=10 ;;
 *)
   echo "usage: bash bench/all.sh [quick|full] [OUT_DIR]" >&2
   exit 2
@@ -48,18 +50,9 @@ D=$(mktemp -d /var/tmp/vblk-all.XXXXXX)
 trap 'rm -rf "$D"' EXIT
 START=$(date +%s)
 
-{
-  echo "mode: $MODE (REPEAT=$REPEAT, RUNTIME=${RUNTIME}s, device tables ${DEV_RUNTIME}s)"
-  echo "command: bash bench/all.sh $MODE"
-  echo "commit: $COMMIT"
-  echo "started: $(date -u +%FT%TZ)"
-  echo "machine: $(nproc) CPUs, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), kernel $(uname -r), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
-  echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "host disk scheduler: $(cat /sys/block/vda/queue/scheduler 2> /dev/null || echo unknown) (not changed)"
-  echo "file system of the image: $(df -T /var/tmp | awk 'NR==2 {print $2}') on $(df /var/tmp | awk 'NR==2 {print $1}')"
-  echo "qemu-storage-daemon: $(qemu-storage-daemon --version | head -1)"
-  echo "rustc: $(rustc --version)"
-} > "$OUT/machine.txt"
+. bench/lib/machine.sh
+machine_txt "$MODE (REPEAT=$REPEAT, RUNTIME=${RUNTIME}s, device tables ${DEV_RUNTIME}s, disk-bound QD32 device tables $DISK_REPEAT rounds)" \
+  "bash bench/all.sh $MODE" "$COMMIT" > "$OUT/machine.txt"
 cat "$OUT/machine.txt" >&2
 
 IMG=$D/disk.img
@@ -106,13 +99,13 @@ table engines-qd1 "O_DIRECT file, QD1" "${J[@]}" "${R[@]}" --iodepth=1 --disk "$
 table engine-threads "O_DIRECT file, QD32, threads engine pool size" "${J[@]}" "${R[@]}" \
   --iodepth=32 --disk "$IMG" --cache none --engine threads --compare engine_threads=4,16,32
 table submit-batch-direct "O_DIRECT file, QD32" "${J[@]}" "${R[@]}" --iodepth=32 \
-  --disk "$IMG" --cache none --compare submit_batch=0,1,4,8
+  --disk "$IMG" --cache none --compare submit_batch=0,1,2,4,8
 cat "$IMG" > /dev/null
 table submit-batch-cached "page cache (file read once before), QD32" "${J[@]}" "${R[@]}" \
   --iodepth=32 --disk "$IMG" --cache writeback --compare submit_batch=0,1,4
 
 echo "== vblk serve vs qemu-storage-daemon (bench/devices.sh)" >&2
-bash bench/devices.sh "$REPEAT" "$DEV_RUNTIME"
+DISK_REPEAT=$DISK_REPEAT bash bench/devices.sh "$REPEAT" "$DEV_RUNTIME"
 
 echo "== NBD: vblk serve vs qemu-storage-daemon on one nbdkit export (bench/nbd.sh)" >&2
 bash bench/nbd.sh "$REPEAT" "$DEV_RUNTIME"
