@@ -288,6 +288,22 @@ fn bad_job_file_names_the_line() {
     assert!(err.contains("sideways"), "{err}");
 }
 
+/// BENCHMARKS.md as bench/render.py writes it from the run directory `dir`.
+fn render_benchmarks_md(dir: &Path) -> String {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/render.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(dir)
+        .output()
+        .expect("python3 is needed to render BENCHMARKS.md");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// BENCHMARKS.md is written by bench/render.py from the JSON `vblk bench` keeps: the figures
 /// it prints are the JSON's (plain or gzipped), rows of repeated variants show their spread,
 /// one run says so, and a goal whose table this run did not measure says that rather than a
@@ -363,18 +379,7 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
          bps-total=1M read 4k 1 0.975 MiB/s    -2.50 %\n",
     )
     .unwrap();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/render.py");
-    let out = Command::new("python3")
-        .arg(script)
-        .arg(dir.path())
-        .output()
-        .expect("python3 is needed to render BENCHMARKS.md");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let md = String::from_utf8(out.stdout).unwrap();
+    let md = render_benchmarks_md(dir.path());
     assert!(md.contains("**paths-null-qd32: title of paths-null-qd32** (load average at its start: 0.10 0.20 0.30)"), "{md}");
     assert!(md.contains("vblk bench paths-null-qd32 args"), "{md}");
     // The bio row's IOPS: the JSON's mean, with its spread over the two runs.
@@ -443,6 +448,118 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
         r.contains("worst error 2.50 %") && r.ends_with("| **no** |"),
         "{r}"
     );
+}
+
+/// The headline judges a row that compares vblk with a peer on paired per-round ratios:
+/// against the peer with the most IOPS on average, the geometric mean of the rounds'
+/// ratios and its 95 % interval (Student's t, 2 degrees of freedom for 3 rounds). A ratio
+/// at the goal is met, one whose interval stays below it is not, one whose interval
+/// reaches it is "within noise". The rounds' IOPS are set here so that each verdict
+/// comes out once; the figures are recomputed from them.
+#[test]
+fn headline_rows_against_a_peer_are_judged_on_paired_ratios() {
+    let dir = temp_dir("render-paired");
+    let run = bench_json(&[
+        "--rw=randread",
+        "--bs=4k",
+        "--iodepth=8",
+        "--size=8m",
+        "--runtime=200ms",
+        "--time_based",
+        "--disk",
+        "null:1G",
+        "--compare",
+        "path=bio,batch,request,passthru",
+        "--repeat",
+        "3",
+    ]);
+    let names = ["vblk-qcow2", "vblk-raw", "qsd-qcow2", "qsd-qcow2-iothread"];
+    // Per table: each variant's IOPS in rounds 1-3, in the order of `names`.
+    let cases: [(&str, [[f64; 3]; 4]); 3] = [
+        // 1.10x in every round: met.
+        (
+            "qcow2-qd1",
+            [
+                [110.0, 99.0, 121.0],
+                [110.0, 99.0, 121.0],
+                [100.0, 90.0, 110.0],
+                [99.0, 89.0, 109.0],
+            ],
+        ),
+        // About 0.97x in every round: below 1.0 beyond the rounds' spread.
+        (
+            "qcow2-qd32",
+            [
+                [100.0, 90.0, 110.0],
+                [100.0, 90.0, 110.0],
+                [104.0, 93.0, 113.0],
+                [103.0, 92.0, 112.0],
+            ],
+        ),
+        // 0.96x, 1.03x, 0.99x: the rounds cannot tell.
+        (
+            "qcow2-write-qd32",
+            [
+                [100.0, 80.0, 120.0],
+                [100.0, 80.0, 120.0],
+                [104.0, 78.0, 121.0],
+                [103.0, 77.0, 120.0],
+            ],
+        ),
+    ];
+    let mut manifest = String::new();
+    for (id, iops) in &cases {
+        let mut t = run.clone();
+        let variants = t[0]["variants"].as_array_mut().unwrap();
+        assert_eq!(variants.len(), 4);
+        for (i, v) in variants.iter_mut().enumerate() {
+            v["variant"] = Value::from(format!("socket=/r/{}.sock@{}", names[i], 100 + i));
+            let runs = v["runs"].as_array_mut().unwrap();
+            assert_eq!(runs.len(), 3, "--repeat 3 keeps every run");
+            for (r, x) in runs.iter_mut().zip(iops[i]) {
+                r["vblk"]["iops"] = Value::from(x);
+            }
+            v["iops_mean"] = Value::from(iops[i].iter().sum::<f64>() / 3.0);
+        }
+        std::fs::write(dir.path().join(format!("{id}.json")), t.to_string()).unwrap();
+        manifest += &format!("{id}\ttitle of {id}\t0.10 0.20 0.30\tvblk bench {id} args\n");
+    }
+    std::fs::write(dir.path().join("manifest.tsv"), manifest).unwrap();
+    std::fs::write(
+        dir.path().join("machine.txt"),
+        "mode: quick (test)\ncommand: bash bench/all.sh quick\ncommit: abc1234\n",
+    )
+    .unwrap();
+    let md = render_benchmarks_md(dir.path());
+    for ((id, iops), verdict) in cases.iter().zip(["yes", "**no**", "within noise"]) {
+        // The peer: the one with the most IOPS on average.
+        let mean = |k: usize| iops[k].iter().sum::<f64>();
+        let peer = if mean(2) >= mean(3) { 2 } else { 3 };
+        let logs: Vec<f64> = (0..3).map(|r| (iops[0][r] / iops[peer][r]).ln()).collect();
+        let m = logs.iter().sum::<f64>() / 3.0;
+        let sd = (logs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / 2.0).sqrt();
+        let half = 4.30 * sd / 3f64.sqrt();
+        let expected = format!(
+            "{:.2}× (95 %: {:.2}-{:.2}, 3 rounds) vs {}",
+            m.exp(),
+            (m - half).exp(),
+            (m + half).exp(),
+            names[peer]
+        );
+        let qd = id.rsplit('-').next().unwrap().to_uppercase();
+        let what = if id.contains("write") {
+            "writes"
+        } else {
+            "reads"
+        };
+        let start = format!("| qcow2 (issue 22), fully allocated, O_DIRECT, {qd} {what}:");
+        let row = md
+            .lines()
+            .find(|l| l.starts_with(&start))
+            .unwrap_or_else(|| panic!("no row {start:?} in {md}"));
+        assert!(row.contains(&expected), "{id}: {expected:?} not in {row}");
+        assert!(row.ends_with(&format!("| {verdict} |")), "{id}: {row}");
+    }
 }
 
 /// docs/experiments.md is written by bench/experiments/render.py from a run's JSON and the
