@@ -510,6 +510,11 @@ impl Poll {
         &self.kinds[self.wait as usize]
     }
 
+    /// The window and figures of idle periods of kind `wait`, to update.
+    fn kind_mut(&mut self, wait: Wait) -> &mut Window {
+        &mut self.kinds[wait as usize]
+    }
+
     /// The adaptive regime's CPU rule, for the current kind of idle period: whether
     /// polling costs no more CPU per unit of work than sleeping (true until both have
     /// been seen).
@@ -531,7 +536,7 @@ impl Poll {
     /// The worker's queues ran dry: an idle period begins, waiting for `wait`.
     pub(crate) fn idle(&mut self, wait: Wait) {
         self.wait = wait;
-        let k = &mut self.kinds[wait as usize];
+        let k = self.kind_mut(wait);
         k.periods = k.periods.wrapping_add(1);
     }
 
@@ -572,7 +577,7 @@ impl Poll {
     /// Spinning found work after spinning `spun`.
     pub(crate) fn hit(&mut self, spun: Duration) {
         let cur = (self.adaptive_window() * 2).min(self.bound());
-        let k = &mut self.kinds[self.wait as usize];
+        let k = self.kind_mut(self.wait);
         k.grace = true;
         k.cur = cur;
         self.last = Some((self.wait, Ended::Hit(spun)));
@@ -582,7 +587,7 @@ impl Poll {
     pub(crate) fn miss(&mut self) {
         self.last = Some((self.wait, Ended::Miss(self.window())));
         let floor = self.bound() / 32;
-        let k = &mut self.kinds[self.wait as usize];
+        let k = self.kind_mut(self.wait);
         k.grace = false;
         k.cur = (k.cur / 2).max(floor);
     }
@@ -597,12 +602,12 @@ impl Poll {
         let sleep = self.sleep_cost.0.unwrap_or(0.0);
         match self.last.take() {
             Some((wait, Ended::Hit(spun))) => {
-                let k = &mut self.kinds[wait as usize];
+                let k = self.kind_mut(wait);
                 k.poll_cost.add(spun.as_nanos() as f64);
                 k.poll_work.add(work);
             }
             Some((wait, Ended::Miss(window))) => {
-                let k = &mut self.kinds[wait as usize];
+                let k = self.kind_mut(wait);
                 k.poll_cost.add(window.as_nanos() as f64 + sleep);
                 k.poll_work.add(work);
                 k.sleep_work.add(work);
