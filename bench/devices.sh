@@ -66,6 +66,7 @@ REPEAT=${1:-3}
 # (±10 % over minutes), so the goals they decide are judged on paired per-round ratios
 # (bench/render.py), which need more rounds than REPEAT to tell 5 % apart.
 DISK_REPEAT=${DISK_REPEAT:-$REPEAT}
+unset ROUNDS # set per table below (bench's --repeat), never taken from the caller
 RUNTIME=${2:-5}
 TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline qcow2-qd1 qcow2-qd32 qcow2-write-qd1 qcow2-write-qd32 qcow2-chain3-qd1 qcow2-chain3-qd32 qcow2-alloc-4k qcow2-alloc-64k"}
 cargo build --release -q -p vblk

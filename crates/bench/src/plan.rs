@@ -403,9 +403,15 @@ fn merge_fio_json(mut reports: Vec<serde_json::Value>) -> serde_json::Value {
 }
 
 /// The order in which a comparison runs its variants: `(repeat, variant)` pairs, the first
-/// run of every variant, then the second of every variant, and so on (at least one round).
+/// run of every variant, then the second of every variant in the reverse order, the third
+/// in order again, and so on (at least one round). A steady drift of the machine then
+/// favours no variant over two rounds: what the first variant of one round gains by
+/// running first, it gives back by running last in the next, so it cancels out of the
+/// paired ratios (`report::paired_ratio`).
 fn run_order(variants: usize, repeat: u32) -> impl Iterator<Item = (u32, usize)> {
-    (0..repeat.max(1)).flat_map(move |i| (0..variants).map(move |v| (i, v)))
+    (0..repeat.max(1)).flat_map(move |i| {
+        (0..variants).map(move |v| (i, if i % 2 == 1 { variants - 1 - v } else { v }))
+    })
 }
 
 /// Run the plan and return what to print.
@@ -433,9 +439,9 @@ pub fn execute(plan: &Plan) -> Result<String, String> {
                     }
                     variants.push((variant.label.clone(), jobs.remove(0), target, run));
                 }
-                // Repeats go round the variants (1st run of each, then 2nd of each, ...), so
-                // that a machine drifting over the minutes of a comparison drifts for every
-                // variant alike rather than for the last ones.
+                // Repeats go round the variants (1st run of each, then 2nd of each in the
+                // reverse order, ...), so that a machine drifting over the minutes of a
+                // comparison drifts for every variant alike rather than for the last ones.
                 let mut rows: Vec<Row> = variants
                     .iter()
                     .map(|(label, ..)| Row {
@@ -508,7 +514,9 @@ mod tests {
     #[test]
     fn comparison_repeats_take_turns() {
         let order: Vec<_> = run_order(3, 2).collect();
-        assert_eq!(order, [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]);
+        assert_eq!(order, [(0, 0), (0, 1), (0, 2), (1, 2), (1, 1), (1, 0)]);
+        let three: Vec<_> = run_order(2, 3).collect();
+        assert_eq!(three, [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]);
         let once: Vec<_> = run_order(2, 0).collect();
         assert_eq!(once, [(0, 0), (0, 1)]);
     }

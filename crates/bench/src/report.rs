@@ -287,10 +287,57 @@ impl Row {
     }
 }
 
-/// The comparison table: mean ± stddev per variant and the ratio to the first.
+/// Two-sided 95 % quantiles of Student's t for 1 to 30 degrees of freedom; beyond, the
+/// normal distribution's 1.96.
+const T95: [f64; 30] = [
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+    2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+    2.052, 2.048, 2.045, 2.042,
+];
+
+/// A variant's IOPS against the first variant's, round by round: with `--repeat` the
+/// variants take turns, so round i of both saw the machine (its disk above all, which
+/// drifts by ±10 % over minutes on a shared VM) in about the same state, and their ratio
+/// cancels the drift that a ratio of the two means keeps. Returns the geometric mean of
+/// the rounds' ratios and its 95 % interval (Student's t on the log ratios), or None with
+/// fewer than two rounds (or a round with no I/O).
+pub fn paired_ratio(runs: &[f64], base: &[f64]) -> Option<(f64, f64, f64)> {
+    let logs: Vec<f64> = runs
+        .iter()
+        .zip(base)
+        .map(|(&a, &b)| (a > 0.0 && b > 0.0).then(|| (a / b).ln()))
+        .collect::<Option<_>>()?;
+    let n = logs.len();
+    if n < 2 {
+        return None;
+    }
+    let mean = logs.iter().sum::<f64>() / n as f64;
+    let var = logs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    let t = T95.get(n - 2).copied().unwrap_or(1.96);
+    let half = t * var.sqrt() / (n as f64).sqrt();
+    Some((mean.exp(), (mean - half).exp(), (mean + half).exp()))
+}
+
+/// Each run's IOPS, in the order the rounds ran.
+fn run_iops(r: &Row) -> Vec<f64> {
+    r.runs.iter().map(|j| j.total().iops()).collect()
+}
+
+/// The comparison table: mean ± stddev per variant, the ratio of its mean to the first's,
+/// and, with repeats, the paired ratio ([`paired_ratio`]) with its 95 % interval.
 pub fn compare_text(rows: &[Row]) -> String {
     let mut out = String::new();
     let base = rows.first().map(|r| r.iops().0).unwrap_or(0.0);
+    let base_runs = rows.first().map(run_iops).unwrap_or_default();
+    let paired = rows.len() > 1 && rows.iter().all(|r| r.runs.len() > 1);
+    // With repeats, the paired ratio and its interval follow the ratio of the means.
+    let paired_col = |cell: &str| {
+        if paired {
+            format!(" {cell:>18}")
+        } else {
+            String::new()
+        }
+    };
     let w = rows
         .iter()
         .map(|r| r.label.len())
@@ -299,10 +346,11 @@ pub fn compare_text(rows: &[Row]) -> String {
         .max(24);
     let _ = writeln!(
         out,
-        "{:<w$} {:>20} {:>7} {:>12} {:>10} {:>10} {:>14} {:>14} {:>8}",
+        "{:<w$} {:>20} {:>7}{} {:>12} {:>10} {:>10} {:>14} {:>14} {:>8}",
         "variant",
         "IOPS (mean ± sd)",
         "ratio",
+        paired_col("paired (95 %)"),
         "MiB/s",
         "clat p50",
         "clat p99",
@@ -310,7 +358,7 @@ pub fn compare_text(rows: &[Row]) -> String {
         "dev IOPS/CPU-s",
         "dev CPU"
     );
-    for r in rows {
+    for (i, r) in rows.iter().enumerate() {
         let (m, sd) = r.iops();
         let (bw, _) = r.series(|j| j.total().bw() / (1 << 20) as f64);
         let (p50, _) = r.series(|j| merged_clat(j).percentile(50.0) as f64 / 1e3);
@@ -333,12 +381,17 @@ pub fn compare_text(rows: &[Row]) -> String {
             "-".into()
         };
         let ratio = if base > 0.0 { m / base } else { 0.0 };
+        let pr = match paired_ratio(&run_iops(r), &base_runs) {
+            Some((g, lo, hi)) if i > 0 => format!("{g:.2} ({lo:.2}-{hi:.2})"),
+            _ => "-".into(),
+        };
         let _ = writeln!(
             out,
-            "{:<w$} {:>20} {:>7.2} {:>12.1} {:>8.1}µs {:>8.1}µs {:>14} {:>14} {:>8}",
+            "{:<w$} {:>20} {:>7.2}{} {:>12.1} {:>8.1}µs {:>8.1}µs {:>14} {:>14} {:>8}",
             r.label,
             spread(m, sd, r.runs.len()),
             ratio,
+            paired_col(&pr),
             bw,
             p50,
             p99,
@@ -370,6 +423,7 @@ fn merged_clat(j: &JobReport) -> Latency {
 /// The comparison as JSON.
 pub fn compare_json(rows: &[Row]) -> Value {
     let base = rows.first().map(|r| r.iops().0).unwrap_or(0.0);
+    let base_runs = rows.first().map(run_iops).unwrap_or_default();
     Value::Array(
         rows.iter()
             .map(|r| {
@@ -379,6 +433,8 @@ pub fn compare_json(rows: &[Row]) -> Value {
                     "iops_mean": m,
                     "iops_stddev": sd,
                     "ratio": if base > 0.0 { m / base } else { 0.0 },
+                    "paired_ratio": paired_ratio(&run_iops(r), &base_runs)
+                        .map(|(g, lo, hi)| json!({"ratio": g, "low": lo, "high": hi, "rounds": r.runs.len()})),
                     "device_cpu_share": r.runs.iter().all(|j| j.device_cpu.is_some())
                         .then(|| r.series(|j| j.device_cpu_share().unwrap_or(0.0)).0),
                     "runs": r.runs.iter().map(json_report).collect::<Vec<_>>(),
@@ -462,4 +518,31 @@ fn xml(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paired_ratio_is_the_geometric_mean_of_the_rounds_ratios_with_its_interval() {
+        // 1.1x in every round: no spread.
+        let (g, lo, hi) = paired_ratio(&[110.0, 99.0, 121.0], &[100.0, 90.0, 110.0]).unwrap();
+        assert!((g - 1.1).abs() < 1e-12 && (lo - 1.1).abs() < 1e-12 && (hi - 1.1).abs() < 1e-12);
+        // 0.96x, 1.03x, 0.99x (computed by hand: t = 4.303 for 2 degrees of freedom).
+        let (g, lo, hi) = paired_ratio(&[100.0, 80.0, 120.0], &[104.0, 78.0, 121.0]).unwrap();
+        assert!((g - 0.99263).abs() < 1e-4, "{g}");
+        assert!((lo - 0.91613).abs() < 1e-4, "{lo}");
+        assert!((hi - 1.07551).abs() < 1e-4, "{hi}");
+        // Ratios of 0.5 and 2: a geometric mean of 1, with an interval around it.
+        let (g, lo, hi) = paired_ratio(&[50.0, 200.0], &[100.0, 100.0]).unwrap();
+        assert!((g - 1.0).abs() < 1e-12 && lo < 0.5 && hi > 2.0);
+        // The drift of the rounds cancels: each side spreads by a factor of four from round
+        // to round, but the ratio is the same in every round, so its interval has no width.
+        let (g, lo, hi) = paired_ratio(&[95.0, 190.0, 47.5], &[100.0, 200.0, 50.0]).unwrap();
+        assert!((g - 0.95).abs() < 1e-12 && (hi - 0.95).abs() < 1e-9 && (lo - 0.95).abs() < 1e-9);
+        // One round, or a round without I/O, has no interval.
+        assert!(paired_ratio(&[1.0], &[2.0]).is_none());
+        assert!(paired_ratio(&[1.0, 0.0], &[2.0, 2.0]).is_none());
+    }
 }

@@ -243,7 +243,9 @@ pub struct BenchArgs {
     /// ',', e.g. "path=bio;path=request,elevator=deadline,queue_depth=2".
     #[arg(long, value_name = "KEY=V1,V2")]
     pub compare: Option<String>,
-    /// Runs per variant (the table shows mean ± stddev).
+    /// Runs per variant, taking turns (the table shows mean ± stddev and, against the first
+    /// variant, the paired ratio: the geometric mean of the rounds' ratios with its 95 %
+    /// interval, which cancels what the machine drifts from round to round).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub repeat: u32,
     /// normal or json.
