@@ -426,14 +426,17 @@ pub fn compare_json(rows: &[Row]) -> Value {
     let base_runs = rows.first().map(run_iops).unwrap_or_default();
     Value::Array(
         rows.iter()
-            .map(|r| {
+            .enumerate()
+            .map(|(i, r)| {
                 let (m, sd) = r.iops();
                 json!({
                     "variant": r.label,
                     "iops_mean": m,
                     "iops_stddev": sd,
                     "ratio": if base > 0.0 { m / base } else { 0.0 },
+                    // The first variant is the reference: no ratio to itself.
                     "paired_ratio": paired_ratio(&run_iops(r), &base_runs)
+                        .filter(|_| i > 0)
                         .map(|(g, lo, hi)| json!({"ratio": g, "low": lo, "high": hi, "rounds": r.runs.len()})),
                     "device_cpu_share": r.runs.iter().all(|j| j.device_cpu.is_some())
                         .then(|| r.series(|j| j.device_cpu_share().unwrap_or(0.0)).0),

@@ -491,6 +491,19 @@ fn headline_rows_against_a_peer_are_judged_on_paired_ratios() {
         "--repeat",
         "3",
     ]);
+    // The JSON's own paired ratios: none for the first variant (the reference, as "-" in
+    // the text table), and for the others a figure inside its interval, over 3 rounds.
+    for (i, v) in run[0]["variants"].as_array().unwrap().iter().enumerate() {
+        let p = &v["paired_ratio"];
+        if i == 0 {
+            assert!(p.is_null(), "the reference has no paired ratio: {p}");
+            continue;
+        }
+        let (g, lo, hi) = (p["ratio"].as_f64(), p["low"].as_f64(), p["high"].as_f64());
+        let (g, lo, hi) = (g.unwrap(), lo.unwrap(), hi.unwrap());
+        assert!(lo <= g && g <= hi && g > 0.0, "variant {i}: {p}");
+        assert_eq!(p["rounds"], 3);
+    }
     let names = ["vblk-qcow2", "vblk-raw", "qsd-qcow2", "qsd-qcow2-iothread"];
     // Per table: each variant's IOPS in rounds 1-3, in the order of `names`.
     let cases: [(&str, [[f64; 3]; 4]); 4] = [
