@@ -467,17 +467,9 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
     );
 }
 
-/// The headline judges a row that compares vblk with a peer on paired per-round ratios:
-/// against the peer with the most IOPS on average, the geometric mean of the rounds'
-/// ratios and its 95 % interval (Student's t, 2 degrees of freedom for 3 rounds). A goal
-/// is met when the interval lies at or above it, missed when it lies below, "within
-/// noise" when it straddles it; a qcow2 row also needs vblk on the raw file within 0.9.
-/// The rounds' IOPS are set here so that each verdict comes out, and each peer is the
-/// faster once; the figures are recomputed from them.
-#[test]
-fn headline_rows_against_a_peer_are_judged_on_paired_ratios() {
-    let dir = temp_dir("render-paired");
-    let run = bench_json(&[
+/// A comparison of four variants over three rounds, whose figures the render tests set.
+fn four_variants_three_rounds() -> Value {
+    bench_json(&[
         "--rw=randread",
         "--bs=4k",
         "--iodepth=8",
@@ -490,7 +482,56 @@ fn headline_rows_against_a_peer_are_judged_on_paired_ratios() {
         "path=bio,batch,request,passthru",
         "--repeat",
         "3",
-    ]);
+    ])
+}
+
+/// `run` with its variants renamed to `names` (as `bench/devices.sh` labels sockets) and,
+/// per variant, each round's IOPS and (if given) p99 in µs set.
+fn with_rounds(run: &Value, names: &[&str], iops: &[[f64; 3]], p99_us: &[[f64; 3]]) -> Value {
+    let mut t = run.clone();
+    let variants = t[0]["variants"].as_array_mut().unwrap();
+    assert_eq!(variants.len(), names.len());
+    for (i, v) in variants.iter_mut().enumerate() {
+        v["variant"] = Value::from(format!("socket=/r/{}.sock@{}", names[i], 100 + i));
+        let runs = v["runs"].as_array_mut().unwrap();
+        assert_eq!(runs.len(), 3, "--repeat 3 keeps every run");
+        for (k, r) in runs.iter_mut().enumerate() {
+            r["vblk"]["iops"] = Value::from(iops[i][k]);
+            if let Some(p) = p99_us.get(i) {
+                let clat = &mut r["vblk"]["aggregate"]["read"]["clat_ns"];
+                clat["percentile"]["99.000000"] = Value::from(p[k] * 1000.0);
+            }
+        }
+        v["iops_mean"] = Value::from(iops[i].iter().sum::<f64>() / 3.0);
+    }
+    t
+}
+
+/// A results directory's `manifest.tsv` (one line per table) and `machine.txt`.
+fn write_manifest(dir: &Path, ids: &[&str]) {
+    let manifest: String = ids
+        .iter()
+        .map(|id| format!("{id}\ttitle of {id}\t0.10 0.20 0.30\tvblk bench {id} args\n"))
+        .collect();
+    std::fs::write(dir.join("manifest.tsv"), manifest).unwrap();
+    std::fs::write(
+        dir.join("machine.txt"),
+        "mode: quick (test)\ncommand: bash bench/all.sh quick\ncommit: abc1234\n",
+    )
+    .unwrap();
+}
+
+/// The headline judges a row that compares vblk with a peer on paired per-round ratios:
+/// against the peer with the most IOPS on average, the geometric mean of the rounds'
+/// ratios and its 95 % interval (Student's t, 2 degrees of freedom for 3 rounds). A goal
+/// is met when the interval lies at or above it, missed when it lies below, "within
+/// noise" when it straddles it; a qcow2 row also needs vblk on the raw file within 0.9.
+/// The rounds' IOPS are set here so that each verdict comes out, and each peer is the
+/// faster once; the figures are recomputed from them.
+#[test]
+fn headline_rows_against_a_peer_are_judged_on_paired_ratios() {
+    let dir = temp_dir("render-paired");
+    let run = four_variants_three_rounds();
     // The JSON's own paired ratios: none for the first variant (the reference, as "-" in
     // the text table), and for the others a figure inside its interval, over 3 rounds.
     for (i, v) in run[0]["variants"].as_array().unwrap().iter().enumerate() {
@@ -548,29 +589,11 @@ fn headline_rows_against_a_peer_are_judged_on_paired_ratios() {
             ],
         ),
     ];
-    let mut manifest = String::new();
     for (id, iops) in &cases {
-        let mut t = run.clone();
-        let variants = t[0]["variants"].as_array_mut().unwrap();
-        assert_eq!(variants.len(), 4);
-        for (i, v) in variants.iter_mut().enumerate() {
-            v["variant"] = Value::from(format!("socket=/r/{}.sock@{}", names[i], 100 + i));
-            let runs = v["runs"].as_array_mut().unwrap();
-            assert_eq!(runs.len(), 3, "--repeat 3 keeps every run");
-            for (r, x) in runs.iter_mut().zip(iops[i]) {
-                r["vblk"]["iops"] = Value::from(x);
-            }
-            v["iops_mean"] = Value::from(iops[i].iter().sum::<f64>() / 3.0);
-        }
+        let t = with_rounds(&run, &names, iops, &[]);
         std::fs::write(dir.path().join(format!("{id}.json")), t.to_string()).unwrap();
-        manifest += &format!("{id}\ttitle of {id}\t0.10 0.20 0.30\tvblk bench {id} args\n");
     }
-    std::fs::write(dir.path().join("manifest.tsv"), manifest).unwrap();
-    std::fs::write(
-        dir.path().join("machine.txt"),
-        "mode: quick (test)\ncommand: bash bench/all.sh quick\ncommit: abc1234\n",
-    )
-    .unwrap();
+    write_manifest(dir.path(), &cases.map(|c| c.0));
     let md = render_benchmarks_md(dir.path());
     for ((id, iops), verdict) in cases
         .iter()
@@ -607,6 +630,76 @@ fn headline_rows_against_a_peer_are_judged_on_paired_ratios() {
             .unwrap_or_else(|| panic!("no row {start:?} in {md}"));
         assert!(row.contains(&expected), "{id}: {expected:?} not in {row}");
         assert!(row.ends_with(&format!("| {verdict} |")), "{id}: {row}");
+    }
+}
+
+/// The O_DIRECT QD32 row's tail goal (vblk's p99 at most qsd's) is judged as its IOPS are:
+/// on the rounds' paired p99 ratios, so a p99 whose mean is a little above qsd's but whose
+/// rounds go both ways is "within noise", not a miss; one above in every round is a miss.
+#[test]
+fn file_qd32_row_judges_its_tail_on_paired_p99s() {
+    let run = four_variants_three_rounds();
+    let names = ["vblk", "vblk-poll0", "qsd-native", "qsd-io_uring"];
+    // Per case: vblk's and the faster peer's (qsd-native) IOPS and p99 in µs over 3
+    // rounds, and the verdict. The other peer is slower; vblk-poll0 plays no part.
+    type Case = ([f64; 3], [f64; 3], [f64; 3], [f64; 3], &'static str);
+    let cases: [Case; 3] = [
+        // 1.10x the IOPS every round, a p99 at 0.9x every round: met.
+        (
+            [110.0, 99.0, 121.0],
+            [100.0, 90.0, 110.0],
+            [900.0, 810.0, 990.0],
+            [1000.0, 900.0, 1100.0],
+            "yes",
+        ),
+        // The same IOPS; the p99's mean is above qsd's (1150 vs 1000), its rounds go both
+        // ways (1.5x, 0.8x, 1.15x): within noise (a miss when the means decided).
+        (
+            [110.0, 99.0, 121.0],
+            [100.0, 90.0, 110.0],
+            [1500.0, 800.0, 1150.0],
+            [1000.0, 1000.0, 1000.0],
+            "within noise",
+        ),
+        // The same IOPS, a p99 about 1.2x in every round: missed.
+        (
+            [110.0, 99.0, 121.0],
+            [100.0, 90.0, 110.0],
+            [1200.0, 1190.0, 1210.0],
+            [1000.0, 1000.0, 1000.0],
+            "**no**",
+        ),
+    ];
+    for (k, (v_iops, q_iops, v_p99, q_p99, verdict)) in cases.iter().enumerate() {
+        let dir = temp_dir("render-tail");
+        let slow = [50.0; 3];
+        let iops = [*v_iops, slow, *q_iops, slow];
+        let p99 = [*v_p99, [5000.0; 3], *q_p99, [5000.0; 3]];
+        let t = with_rounds(&run, &names, &iops, &p99);
+        std::fs::write(dir.path().join("file-qd32.json"), t.to_string()).unwrap();
+        write_manifest(dir.path(), &["file-qd32"]);
+        let md = render_benchmarks_md(dir.path());
+        let row = md
+            .lines()
+            .find(|l| l.starts_with("| O_DIRECT file QD32, `vblk serve` vs qsd's fastest mode"))
+            .unwrap_or_else(|| panic!("no file-qd32 row in {md}"));
+        // The paired p99 ratio, recomputed: geometric mean and Student-t interval (2 df).
+        let logs: Vec<f64> = (0..3).map(|r| (v_p99[r] / q_p99[r]).ln()).collect();
+        let m = logs.iter().sum::<f64>() / 3.0;
+        let sd = (logs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / 2.0).sqrt();
+        let half = 4.303 * sd / 3f64.sqrt();
+        let expected = format!(
+            "paired {:.2}× (95 %: {:.2}-{:.2}, 3 rounds)",
+            m.exp(),
+            (m - half).exp(),
+            (m + half).exp()
+        );
+        assert!(row.contains("(qsd-native)"), "case {k}: {row}");
+        assert!(
+            row.contains(&expected),
+            "case {k}: {expected:?} not in {row}"
+        );
+        assert!(row.ends_with(&format!("| {verdict} |")), "case {k}: {row}");
     }
 }
 
