@@ -45,6 +45,7 @@ use storage::{Completion, Engine, Full, Op};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 pub(crate) use mailbox::{Command, Lost, Mailbox, WorkerHandle};
+use pass::SubmitBatch;
 pub(crate) use pool::{Pool, PoolConfig};
 pub(crate) use queue::QueueStart;
 #[cfg(test)]
@@ -147,10 +148,8 @@ pub(crate) struct Worker {
     mem: Arc<GuestMemory>,
     /// Older memory views still referenced by requests in flight.
     retired: Vec<Arc<GuestMemory>>,
-    /// Submit to the engine after this many pushes (usize::MAX: once per pass).
-    submit_every: usize,
-    unsubmitted: usize,
-    pushed: bool,
+    /// Pushes not submitted yet, and when to submit them.
+    batch: SubmitBatch,
     in_flight: usize,
     done: Vec<Completion>,
     next_gen: u32,
@@ -203,13 +202,7 @@ impl Worker {
             parser: Parser::new(0),
             mem: Arc::new(GuestMemory::empty()),
             retired: Vec::new(),
-            submit_every: if setup.submit_batch == 0 {
-                usize::MAX
-            } else {
-                setup.submit_batch as usize
-            },
-            unsubmitted: 0,
-            pushed: false,
+            batch: SubmitBatch::new(setup.submit_batch),
             in_flight: 0,
             done: Vec::with_capacity(setup.depth),
             next_gen: 0,

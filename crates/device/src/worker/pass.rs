@@ -42,7 +42,7 @@ impl Worker {
                 self.throttle_wake = None;
             }
         }
-        self.submit();
+        self.batch.flush(&mut *self.engine, &mut self.io_log);
         progress |= self.reap();
         for q in &mut self.queues {
             q.publish(self.log.as_deref());
@@ -100,13 +100,7 @@ impl Worker {
                             self.now_ticks.saturating_sub(slot.taken),
                         )));
                         went = true;
-                        self.pushed = true;
-                        self.unsubmitted += 1;
-                        if self.unsubmitted >= self.submit_every {
-                            submit(&mut *self.engine, &mut self.io_log);
-                            self.unsubmitted = 0;
-                            self.pushed = self.engine.backlog() > 0;
-                        }
+                        self.batch.pushed_one(&mut *self.engine, &mut self.io_log);
                     }
                     // The engine is full: it waits a little longer.
                     Err(_) => break,
@@ -224,13 +218,7 @@ impl Worker {
                                     slot.busy = true;
                                     q.in_flight += 1;
                                     self.in_flight += 1;
-                                    self.pushed = true;
-                                    self.unsubmitted += 1;
-                                    if self.unsubmitted >= self.submit_every {
-                                        submit(&mut *self.engine, &mut self.io_log);
-                                        self.unsubmitted = 0;
-                                        self.pushed = self.engine.backlog() > 0;
-                                    }
+                                    self.batch.pushed_one(&mut *self.engine, &mut self.io_log);
                                     None
                                 }
                                 Err(_) => {
@@ -294,16 +282,6 @@ impl Worker {
             }
         }
         popped
-    }
-
-    /// Hand everything pushed to the kernel.
-    fn submit(&mut self) {
-        if !self.pushed {
-            return;
-        }
-        submit(&mut *self.engine, &mut self.io_log);
-        self.unsubmitted = 0;
-        self.pushed = self.engine.backlog() > 0;
     }
 
     /// Complete every finished operation. True if any finished.
@@ -377,12 +355,55 @@ impl Worker {
     }
 }
 
-/// Hand the engine's queued work to the kernel, logging a failure (rate-limited).
-fn submit(engine: &mut dyn Engine, log: &mut RateLimit) {
-    if let Err(e) = engine.submit() {
-        if log.allow() {
-            warn!("engine {}: submit failed: {e}", engine.name());
+/// Pushes to the engine not handed to the kernel yet: one submit call per `every` pushes
+/// (`--submit-batch`), and one at the end of a pass for the rest.
+pub(super) struct SubmitBatch {
+    every: usize,
+    unsubmitted: usize,
+    /// Something was pushed since the last submit, or the engine holds work the kernel
+    /// refused for now.
+    pushed: bool,
+}
+
+impl SubmitBatch {
+    /// `batch` pushes per submit call (0: once per pass).
+    pub(super) fn new(batch: u32) -> SubmitBatch {
+        SubmitBatch {
+            every: if batch == 0 {
+                usize::MAX
+            } else {
+                batch as usize
+            },
+            unsubmitted: 0,
+            pushed: false,
         }
+    }
+
+    /// One request went to `engine`: submit if that fills the batch.
+    fn pushed_one(&mut self, engine: &mut dyn Engine, log: &mut RateLimit) {
+        self.pushed = true;
+        self.unsubmitted += 1;
+        if self.unsubmitted >= self.every {
+            self.submit(engine, log);
+        }
+    }
+
+    /// Hand everything pushed to the kernel.
+    fn flush(&mut self, engine: &mut dyn Engine, log: &mut RateLimit) {
+        if self.pushed {
+            self.submit(engine, log);
+        }
+    }
+
+    /// Submit, logging a failure (rate-limited).
+    fn submit(&mut self, engine: &mut dyn Engine, log: &mut RateLimit) {
+        if let Err(e) = engine.submit() {
+            if log.allow() {
+                warn!("engine {}: submit failed: {e}", engine.name());
+            }
+        }
+        self.unsubmitted = 0;
+        self.pushed = engine.backlog() > 0;
     }
 }
 
