@@ -255,7 +255,9 @@ class Paired:
     rounds' ratios (the same as `vblk bench`'s paired ratio), with its 95 % interval
     (Student's t on the log ratios) when there are at least 2 rounds. A round with no I/O
     on either side, or sides with different numbers of rounds, leave only the ratio of
-    the means (a stalled round then counts against its side)."""
+    the means (a stalled round then counts against its side). Paired on p99s, a round
+    without one leaves the ratio of the means of the rounds that have one, and a side
+    with none (or a zero) fails the goal."""
 
     def __init__(self, v, q, of="iops"):
         """`of`: "iops", or "p99" to pair the rounds' p99 latencies instead."""
@@ -266,7 +268,9 @@ class Paired:
         pairs = list(zip(a_runs, b_runs))
         if (len(a_runs) != len(b_runs) or not pairs
                 or any(x is None or y is None or x <= 0 or y <= 0 for x, y in pairs)):
-            self.ratio = a / b if a is not None and b else 0.0
+            # What fails the goal: no IOPS (0) or no tail to compare (infinite).
+            usable = a is not None and b is not None and a > 0 and b > 0
+            self.ratio = a / b if usable else (0.0 if of == "iops" else math.inf)
             return
         logs = [math.log(a / b) for a, b in pairs]
         self.n = len(logs)
@@ -386,10 +390,10 @@ def goal_rows(tables):
     if v and qs:
         q = fastest(*qs)
         pr, tail = Paired(v, q), Paired(v, q, of="p99")
-        has_tail = v.p99 is not None and q.p99 is not None
+        has_tail = math.isfinite(tail.ratio)
+        paired = f", paired {tail.text()}" if has_tail else " (no tail to compare)"
         row(f"O_DIRECT file QD32, `vblk serve` vs qsd's fastest mode ({q.name}); p99",
-            f"{human(v.iops)} vs {human(q.iops)}; p99 {us(v.p99)} vs {us(q.p99)} µs, "
-            f"paired {tail.text()}",
+            f"{human(v.iops)} vs {human(q.iops)}; p99 {us(v.p99)} vs {us(q.p99)} µs{paired}",
             pr.text(), "≥ 1.0×, p99 ≤ qsd's",
             both(pr.verdict(1.0), tail.verdict_at_most(1.0)) if has_tail else False)
     else:

@@ -8,6 +8,8 @@
 //! This file builds the requests; `completion` publishes them, reaps the used ring and
 //! waits for it.
 
+mod completion;
+
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,8 +22,6 @@ use crate::error::{Error, ErrorKind};
 use crate::io::{Bufs, Io, Op, SubmitError};
 use crate::ring::{Seg, SplitRing};
 use crate::table::{Table, NONE};
-
-mod completion;
 
 /// Stands in `segs[0]` until the request's head (and so its header address) is known.
 const HEADER_PLACEHOLDER: Seg = Seg {

@@ -4,6 +4,8 @@
 //! model, `hdd.rs`), and [`Backend::engine`] gives each worker its own engine on it.
 //! Opening (probing, locking, sizing, the qcow2 chain) is in `backend/open.rs`.
 
+mod open;
+
 use std::fmt;
 use std::fs::File;
 use std::io;
@@ -26,8 +28,6 @@ use crate::nbd::{Export, NbdEngine, NbdOptions};
 use crate::sync_engine::SyncEngine;
 use crate::threads_engine::{ThreadsEngine, DEFAULT_ENGINE_THREADS, MAX_ENGINE_THREADS};
 use crate::uring_engine::UringEngine;
-
-mod open;
 
 pub(crate) use open::open_in_chain;
 

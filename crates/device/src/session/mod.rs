@@ -1,14 +1,13 @@
 //! One frontend connection: the vhost-user control plane of the device.
 //!
-//! `messages` decodes each request (`wire` frames them) and calls its method in
-//! `requests`. Each
-//! is checked at the top, before any state changes, and refused with a message that says
-//! what was expected and what came: a queue index past the queues offered, a size that is
-//! zero, not a power of two or above the maximum, ring addresses outside guest memory,
+//! `messages` decodes each request (`wire` frames them) and calls its method in `requests`.
+//! Each is checked at the top, before any state changes, and refused with a message that
+//! says what was expected and what came: a queue index past the queues offered, a size that
+//! is zero, not a power of two or above the maximum, ring addresses outside guest memory,
 //! features that were not offered, memory regions that overlap or reach past their file,
-//! more regions than GET_MAX_MEM_SLOTS said. A refusal ends the connection (the daemon
-//! then serves the next frontend), because a frontend that sent one cannot be trusted to
-//! agree with the device about any state.
+//! more regions than GET_MAX_MEM_SLOTS said. A refusal ends the connection (the daemon then
+//! serves the next frontend), because a frontend that sent one cannot be trusted to agree
+//! with the device about any state.
 //!
 //! Rings: a ring starts when it has a size, addresses, memory and a kick fd
 //! (SET_VRING_KICK), and is handed to its worker; it stops on GET_VRING_BASE, which waits

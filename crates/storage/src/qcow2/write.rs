@@ -24,6 +24,8 @@
 //! A write acknowledged without a FLUSH may still be lost by a power failure, as any
 //! write on a disk with a volatile cache; a FLUSH makes it durable.
 
+mod writeback;
+
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io;
 use std::sync::atomic::Ordering;
@@ -39,8 +41,6 @@ use super::table::Entry;
 use crate::backend::Backend;
 use crate::bounce::AlignedBuf;
 use crate::engine::{Engine, Op};
-
-mod writeback;
 
 /// How many bytes of clusters are counted at once, ahead of their use, at first: a
 /// batch taken within a second of the one before is twice as large, up to

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod assets;
+pub mod bench;
 pub mod cli;
 pub mod daemon;
 pub mod fio;
