@@ -71,8 +71,10 @@ pub struct DaemonConfig {
     /// Serve statistics and disk management on this Unix socket (`vblk stats PATH`,
     /// `vblk disk ... PATH`).
     pub control_socket: Option<PathBuf>,
-    /// Who may connect to the control socket.
-    pub control_access: crate::socket_file::SocketAccess,
+    /// Who may connect to the sockets the daemon creates: the control socket, the disks'
+    /// (the program gives each disk's `DeviceConfig::socket_access` the same), and the
+    /// default for disks added later (`vblk disk add` asks with `list`).
+    pub socket_access: crate::socket_file::SocketAccess,
     /// How the daemon confines itself once set up.
     pub sandbox: crate::sandbox::SandboxConfig,
     /// TCP ports the sandbox lets the daemon connect to besides those of the NBD disks it
@@ -93,7 +95,7 @@ impl Default for DaemonConfig {
             coalesce_us: DEFAULT_COALESCE_US,
             cpus: Vec::new(),
             control_socket: None,
-            control_access: Default::default(),
+            socket_access: Default::default(),
             sandbox: Default::default(),
             nbd_ports: Vec::new(),
             disk_parser: None,
@@ -152,6 +154,15 @@ pub const MAX_ID_LEN: usize = 64;
 
 /// A disk name: 1 to 64 of `A-Z a-z 0-9 . _ -`, not starting with `-` or `.`.
 pub fn check_id(id: &str) -> Result<(), ConfigError> {
+    check_name("disk id", id)
+}
+
+/// Check a throttle group's name: the same characters as a disk's id.
+pub fn check_group_name(name: &str) -> Result<(), ConfigError> {
+    check_name("throttle group", name)
+}
+
+fn check_name(what: &'static str, id: &str) -> Result<(), ConfigError> {
     let ok = !id.is_empty()
         && id.len() <= MAX_ID_LEN
         && !id.starts_with(['-', '.'])
@@ -161,7 +172,10 @@ pub fn check_id(id: &str) -> Result<(), ConfigError> {
     if ok {
         Ok(())
     } else {
-        Err(ConfigError::Id(id.to_string()))
+        Err(ConfigError::Id {
+            what,
+            name: id.to_string(),
+        })
     }
 }
 
@@ -266,8 +280,13 @@ pub enum ConfigError {
     #[error("--threads {0}: must be between 1 and 256")]
     Threads(usize),
     /// A disk name that cannot be one.
-    #[error("disk id {0:?}: must be 1 to 64 of A-Z a-z 0-9 . _ - (not starting with - or .)")]
-    Id(String),
+    #[error("{what} {name:?}: must be 1 to 64 of A-Z a-z 0-9 . _ - (not starting with - or .)")]
+    Id {
+        /// What the name names: a disk id, a throttle group.
+        what: &'static str,
+        /// The name.
+        name: String,
+    },
     /// Serial too long.
     #[error("--serial {serial:?} is {len} bytes; GET_ID holds at most 20")]
     Serial {

@@ -28,6 +28,7 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -85,8 +86,14 @@ impl ControlSocket {
     }
 }
 
+/// Requests answered at once; one more gets a "busy" error.
+const MAX_ANSWERING: usize = 16;
+
 /// Serve requests on `control` until `stop_fd` becomes readable (it stays readable once
-/// the daemon stops). Requests are served one at a time.
+/// the daemon stops). Each request is answered on a thread of its own, so that a slow one
+/// (a forced removal waits for the disk's requests in flight, a resize syncs a qcow2
+/// image) or a client that is slow to send does not hold up the rest: statistics and
+/// lists answer while a disk is being removed. At most [`MAX_ANSWERING`] at a time.
 pub(crate) fn serve(
     control: ControlSocket,
     registry: Arc<Registry>,
@@ -99,6 +106,7 @@ pub(crate) fn serve(
         path: path.clone(),
         source,
     };
+    let answering = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("vblk-control".into())
         .spawn(move || loop {
@@ -123,7 +131,7 @@ pub(crate) fn serve(
                 return;
             }
             match listener.accept() {
-                Ok((s, _)) => answer(s, &registry, parser.as_ref()),
+                Ok((s, _)) => answer_apart(s, &registry, parser.as_ref(), &answering),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => {
                     log::warn!("control socket {}: {e}", file.path().display());
@@ -192,8 +200,40 @@ fn read_request(s: &mut UnixStream) -> Result<Request, String> {
     })
 }
 
+/// Answer `s` on a thread of its own, or say the daemon is busy when
+/// [`MAX_ANSWERING`] requests are being answered.
+fn answer_apart(
+    s: UnixStream,
+    registry: &Arc<Registry>,
+    parser: Option<&DiskParser>,
+    answering: &Arc<AtomicUsize>,
+) {
+    if answering.fetch_add(1, Ordering::AcqRel) >= MAX_ANSWERING {
+        answering.fetch_sub(1, Ordering::AcqRel);
+        reply(
+            s,
+            error(format!(
+                "busy: {MAX_ANSWERING} requests are being answered; try again"
+            )),
+        );
+        return;
+    }
+    let (registry, parser, count) = (registry.clone(), parser.cloned(), answering.clone());
+    let spawned = std::thread::Builder::new()
+        .name("vblk-control-request".into())
+        .spawn(move || {
+            answer(s, &registry, parser.as_ref());
+            count.fetch_sub(1, Ordering::AcqRel);
+        });
+    if let Err(e) = spawned {
+        // The connection went with the closure: the client reads no answer.
+        answering.fetch_sub(1, Ordering::AcqRel);
+        log::warn!("control socket: cannot start a thread to answer a request: {e}");
+    }
+}
+
 fn answer(mut s: UnixStream, registry: &Arc<Registry>, parser: Option<&DiskParser>) {
-    let reply = match read_request(&mut s) {
+    let answer = match read_request(&mut s) {
         Ok(Request { body: None, .. }) => registry.snapshot(None).unwrap_or_else(error),
         Ok(Request {
             body: Some(body),
@@ -201,8 +241,13 @@ fn answer(mut s: UnixStream, registry: &Arc<Registry>, parser: Option<&DiskParse
         }) => handle(&body, fds, registry, parser),
         Err(e) => error(e),
     };
+    reply(s, answer);
+}
+
+/// Send `answer` (one line of JSON) and close the connection.
+fn reply(mut s: UnixStream, answer: Value) {
     let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-    let mut text = reply.to_string();
+    let mut text = answer.to_string();
     text.push('\n');
     let _ = s.write_all(text.as_bytes());
 }
@@ -304,6 +349,11 @@ fn add(
         .ok_or("add: no socket path (\"socket\")")?;
     let mut served = (parser.0)(spec)?;
     served.spec = spec.to_string();
+    // Before anything is adopted: the socket the client bound stays the client's to
+    // remove. (`start` checks again, under the registry's lock.)
+    if registry.contains(&served.id) {
+        return Err(format!("a disk named {:?} is served already", served.id));
+    }
     let mut fds = fds.into_iter();
     let listener = fds
         .next()

@@ -182,7 +182,7 @@ pub fn serve_files(
     let control = match &daemon.control_socket {
         Some(path) => Some(crate::control::ControlSocket::bind(
             path,
-            &daemon.control_access,
+            &daemon.socket_access,
         )?),
         None => None,
     };
@@ -210,7 +210,11 @@ pub fn serve_files(
             source,
         })?,
     );
-    let registry = Arc::new(Registry::new(pool, controls.clone()));
+    let registry = Arc::new(Registry::new(
+        pool,
+        controls.clone(),
+        daemon.socket_access.clone(),
+    ));
     for (name, limits) in &daemon.throttle_groups {
         registry
             .set_group(name, limits.clone())
@@ -238,10 +242,11 @@ pub fn serve_files(
         }
         None => None,
     };
+    let (disks, threads) = (registry.len(), daemon.threads);
     info!(
-        "serving {} disks on {} worker threads (polling {} µs)",
-        registry.len(),
-        daemon.threads,
+        "serving {disks} disk{} on {threads} worker thread{} (polling {} µs)",
+        if disks == 1 { "" } else { "s" },
+        if threads == 1 { "" } else { "s" },
         daemon.poll_us
     );
     ready();

@@ -88,11 +88,13 @@ impl DiskThrottle {
     pub(crate) fn setup(&self) -> Option<ThrottleSetup> {
         let mut limiters = Vec::new();
         limiters.extend(self.own.clone().map(|l| (l, 0)));
+        let own = limiters.len();
         if let Some(g) = &self.group {
             limiters.extend(g.limiter.clone().map(|l| (l, g.member)));
         }
         (!limiters.is_empty()).then(|| ThrottleSetup {
             limiters,
+            own,
             stats: self.stats.clone(),
             group_stats: self.group.as_ref().map(|g| g.stats.clone()),
         })

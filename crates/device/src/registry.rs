@@ -21,6 +21,8 @@ pub(crate) struct Registry {
     daemon: Arc<Controls>,
     inner: Mutex<Inner>,
     started: std::time::Instant,
+    /// Who may connect to the daemon's sockets: the default for disks added later.
+    socket_access: crate::socket_file::SocketAccess,
 }
 
 struct Inner {
@@ -71,7 +73,11 @@ pub(crate) enum RemoveError {
 }
 
 impl Registry {
-    pub(crate) fn new(pool: Arc<Pool>, daemon: Arc<Controls>) -> Registry {
+    pub(crate) fn new(
+        pool: Arc<Pool>,
+        daemon: Arc<Controls>,
+        socket_access: crate::socket_file::SocketAccess,
+    ) -> Registry {
         Registry {
             pool,
             daemon,
@@ -82,6 +88,7 @@ impl Registry {
                 groups: BTreeMap::new(),
             }),
             started: std::time::Instant::now(),
+            socket_access,
         }
     }
 
@@ -132,7 +139,7 @@ impl Registry {
     /// Set group `name`'s limits (QEMU's semantics: they replace the old ones; the
     /// buckets start empty); the group is made if it does not exist.
     pub(crate) fn set_group(&self, name: &str, limits: Limits) -> Result<(), String> {
-        crate::config::check_id(name).map_err(|e| format!("throttle group: {e}"))?;
+        crate::config::check_group_name(name).map_err(|e| e.to_string())?;
         limits.validate()?;
         let mut inner = self.lock();
         let inner = &mut *inner;
@@ -194,12 +201,13 @@ impl Registry {
         Ok(())
     }
 
-    /// The throttle groups, for `vblk stats`.
-    fn groups_snapshot(&self) -> Value {
+    /// The throttle groups, for `vblk stats`: all, or those disk `id` is in.
+    fn groups_snapshot(&self, id: Option<&str>) -> Value {
         let inner = self.lock();
         let groups: Vec<Value> = inner
             .groups
             .iter()
+            .filter(|(_, g)| id.is_none_or(|id| g.members.iter().flatten().any(|m| m == id)))
             .map(|(name, g)| {
                 json!({
                     "name": name,
@@ -211,6 +219,11 @@ impl Registry {
             })
             .collect();
         Value::Array(groups)
+    }
+
+    /// Whether a disk named `id` is served.
+    pub(crate) fn contains(&self, id: &str) -> bool {
+        self.lock().disks.iter().any(|d| d.shared.id == id)
     }
 
     /// How many disks are served.
@@ -303,10 +316,21 @@ impl Registry {
         Ok(d.shared.listen.clone())
     }
 
-    /// The disks, for `vblk disk list`.
+    /// The disks, for `vblk disk list`, and the throttle groups.
     pub(crate) fn list(&self) -> Value {
-        let disks: Vec<Value> = self
-            .lock()
+        let inner = self.lock();
+        let groups: Vec<Value> = inner
+            .groups
+            .iter()
+            .map(|(name, g)| {
+                json!({
+                    "name": name,
+                    "throttle": g.limits.to_string(),
+                    "members": g.members.iter().flatten().collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        let disks: Vec<Value> = inner
             .disks
             .iter()
             .map(|d| {
@@ -325,7 +349,7 @@ impl Registry {
                 })
             })
             .collect();
-        json!({ "disks": disks })
+        json!({ "disks": disks, "groups": groups, "socket_group": self.socket_access.group })
     }
 
     /// The statistics snapshot `vblk stats` reads: every disk (or the one named `id`),
@@ -365,7 +389,7 @@ impl Registry {
             json!(u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX));
         top["workers"] = crate::stats::workers_snapshot(self.pool.stats());
         drop(inner);
-        top["throttle_groups"] = self.groups_snapshot();
+        top["throttle_groups"] = self.groups_snapshot(id);
         top["disks"] = Value::Array(
             docs.into_iter()
                 .map(|mut d| {
@@ -387,7 +411,7 @@ fn join_group(
     disk: &DiskShared,
     name: &str,
 ) -> Result<(), String> {
-    crate::config::check_id(name).map_err(|e| format!("throttle group: {e}"))?;
+    crate::config::check_group_name(name).map_err(|e| e.to_string())?;
     let g = groups.entry(name.to_string()).or_default();
     let member = match g.members.iter().position(Option::is_none) {
         Some(free) => free,
@@ -428,6 +452,12 @@ fn leave_group(groups: &mut BTreeMap<String, Group>, disk: &DiskShared) {
     if let Some(g) = groups.get_mut(&m.name) {
         if let Some(slot) = g.members.get_mut(m.member) {
             *slot = None;
+        }
+        // A group without limits exists only through its disks (a disk naming a group no
+        // one set made it): it goes with the last of them. One with limits stays, as it
+        // was set.
+        if g.member_count() == 0 && g.limits.is_unlimited() {
+            groups.remove(&m.name);
         }
     }
     t.tell();

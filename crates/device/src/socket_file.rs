@@ -28,7 +28,7 @@ pub struct SocketAccess {
 #[derive(Debug, thiserror::Error)]
 pub enum SocketError {
     /// Another process listens there.
-    #[error("socket path {0} is taken: another process is listening on it")]
+    #[error("socket path {0} is taken: a process listens on it (a daemon serving a disk there?)")]
     Taken(PathBuf),
     /// Something that is not a socket is in the way.
     #[error("socket path {0} exists and is not a socket (not removed)")]

@@ -115,7 +115,7 @@ impl QueueStats {
         bump(&self.completed, 1);
     }
 
-    fn snapshot(&self, index: usize) -> Value {
+    pub(crate) fn snapshot(&self, index: usize) -> Value {
         let mut ops = serde_json::Map::new();
         for (i, name) in KIND_NAMES.iter().enumerate() {
             let op = &self.ops[i];

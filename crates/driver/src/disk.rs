@@ -374,7 +374,7 @@ impl Disk {
             return Err(Error::new(
                 ErrorKind::Connect,
                 format!(
-                    "{name}: the device did not complete the handshake within {:?}",
+                    "{name}: the device did not complete the handshake within {:?} (a vhost-user device serves one frontend at a time: is another one attached?)",
                     opts.attach_timeout
                 ),
             ));

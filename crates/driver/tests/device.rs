@@ -369,7 +369,7 @@ fn a_device_that_never_answers_fails_the_attach_instead_of_hanging() {
     assert_eq!(e.kind(), ErrorKind::Connect);
     assert!(
         e.to_string()
-            .contains("did not complete the handshake within 300ms"),
+            .contains("did not complete the handshake within 300ms (a vhost-user device serves one frontend at a time: is another one attached?)"),
         "{e}"
     );
     assert!(

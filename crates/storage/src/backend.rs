@@ -151,6 +151,20 @@ pub enum BackendKind {
     Hdd,
 }
 
+impl std::fmt::Display for BackendKind {
+    /// What an operator calls it, as the disk SPEC names it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::File => "file",
+            BackendKind::BlockDevice => "block device",
+            BackendKind::Mem => "RAM disk (mem:)",
+            BackendKind::Null => "null disk (null:)",
+            BackendKind::Nbd => "NBD disk",
+            BackendKind::Hdd => "simulated hard disk (hdd:)",
+        })
+    }
+}
+
 /// What `fallocate` modes turned out to be unsupported, learnt once per backend so
 /// later operations go straight to the fallback.
 #[derive(Debug, Default)]

@@ -173,6 +173,11 @@ pub trait Engine: Send {
     /// when every operation is finished by the time `submit` returns (sync, mem,
     /// null). The engine drains it in `reap`; it is non-blocking.
     fn notify_fd(&self) -> Option<RawFd>;
+    /// Whether its operations are done in memory within `push` (a RAM or null disk), so
+    /// that the time from taking a request to completing it is not worth a clock read.
+    fn completes_in_memory(&self) -> bool {
+        false
+    }
     /// Operations pushed and not yet reaped.
     fn in_flight(&self) -> usize;
     /// Operations queued that the kernel has not accepted yet (it answered EAGAIN or

@@ -96,7 +96,7 @@ pub enum Error {
         block: u32,
     },
     /// A resize was asked of a disk whose size is fixed.
-    #[error("a {kind:?} disk has a fixed size; only files and block devices can be resized")]
+    #[error("{kind}: its size is fixed; only files and block devices can be resized")]
     Resize {
         /// What the disk is.
         kind: crate::BackendKind,

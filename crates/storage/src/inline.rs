@@ -170,6 +170,10 @@ impl Engine for InlineEngine {
         None
     }
 
+    fn completes_in_memory(&self) -> bool {
+        true
+    }
+
     fn in_flight(&self) -> usize {
         self.queued.len() + self.done.len()
     }

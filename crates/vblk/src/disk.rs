@@ -19,13 +19,14 @@ use serde_json::{json, Value};
 use storage::DiskSpec;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-use crate::disk_args::{disk_from_items, load_config, spec_of, split_items};
+use crate::disk_args::{disk_from_items, load_config, spec_of, split_items, ConfigFile};
 
 /// How long a request may take: removing a disk waits for its requests in flight (up to
 /// its drain timeout, 60 s by default) and its flush.
 const SLOW_REQUEST: Duration = Duration::from_secs(600);
 
-/// List, add and remove the disks of a running `vblk serve` (its --control-socket).
+/// List, add, remove and resize the disks of a running `vblk serve` (its --control-socket),
+/// and set their QoS limits and throttle groups.
 #[derive(Debug, Subcommand)]
 pub enum DiskCommand {
     /// The disks the daemon serves: name, socket, disk, size, attached or not.
@@ -101,8 +102,8 @@ pub struct AddArgs {
     pub control: PathBuf,
     /// The disk, as `vblk serve --disk` takes it.
     pub spec: String,
-    /// The group that may connect to the disk's socket (mode 0660) [default: 0600, this
-    /// user only].
+    /// The group that may connect to the disk's socket (mode 0660) [default: the
+    /// daemon's --socket-group; without one, mode 0600, this user only].
     #[arg(long, value_name = "GROUP")]
     pub socket_group: Option<String>,
 }
@@ -245,14 +246,30 @@ pub fn run(cmd: DiskCommand) -> Result<(), Box<dyn Error>> {
             Ok(())
         }
         DiskCommand::Group(a) => {
-            device::throttle::Limits::parse(&a.limits)?;
+            // The keys as `vblk disk set` takes them: throttle.KEY or QEMU's bare names.
+            let items = split_items(&a.limits);
+            crate::disk_args::check_unique(&items, &|_| false)
+                .map_err(|e| format!("throttle group {}: {e}", a.name))?;
+            let limits: Vec<String> = items
+                .iter()
+                .map(|(k, v)| {
+                    let k = k.strip_prefix("throttle.").unwrap_or(k);
+                    format!("{k}={}", v.as_deref().unwrap_or(""))
+                })
+                .collect();
+            let limits = match items.as_slice() {
+                [(k, None)] if k == "none" => "none".to_string(),
+                _ => limits.join(","),
+            };
+            let canonical = device::throttle::Limits::parse(&limits)
+                .map_err(|e| format!("throttle group {}: {e}", a.name))?;
             request(
                 &a.control,
-                &json!({"op": "group", "name": a.name, "limits": a.limits}),
+                &json!({"op": "group", "name": a.name, "limits": limits}),
                 &[],
                 Duration::from_secs(5),
             )?;
-            println!("throttle group {}: {}", a.name, a.limits);
+            println!("throttle group {}: {canonical}", a.name);
             Ok(())
         }
         DiskCommand::Sync(a) => sync(&a),
@@ -327,9 +344,15 @@ pub fn add(control: &Path, spec: &str, group: Option<&str>) -> Result<String, Bo
     args.clone()
         .into_served(None, "disk".into())
         .map_err(|e| format!("{what}: {e}"))?;
-    let access = SocketAccess {
-        group: group.map(str::to_string),
+    // Without --socket-group, the disk's socket is the daemon's other sockets' kind.
+    let group = match group {
+        Some(g) => Some(g.to_string()),
+        None => request(control, &json!({"op": "list"}), &[], Duration::from_secs(5))?
+            ["socket_group"]
+            .as_str()
+            .map(str::to_string),
     };
+    let access = SocketAccess { group };
     let (listener, file) = SocketFile::bind(&socket, &access)?;
     let mut fds = vec![listener.as_raw_fd()];
     fds.extend(image.as_ref().map(|f| f.as_raw_fd()));
@@ -343,7 +366,7 @@ pub fn add(control: &Path, spec: &str, group: Option<&str>) -> Result<String, Bo
 
 /// A size in the largest binary unit that keeps a whole number before the point:
 /// `16.0 MiB`, `1.5 GiB`, `512 B`.
-fn size_text(bytes: u64) -> String {
+pub(crate) fn size_text(bytes: u64) -> String {
     let units = ["KiB", "MiB", "GiB", "TiB", "PiB"];
     let mut value = bytes as f64;
     let mut unit = None;
@@ -363,7 +386,7 @@ fn size_text(bytes: u64) -> String {
 /// Whether `key` is one of QEMU's limit names (`iops-total`, `bps-read-max`, ...), which
 /// `vblk disk set` takes without `throttle.` as `vblk disk group` does (the daemon checks
 /// the name).
-fn is_limit_name(key: &str) -> bool {
+pub(crate) fn is_limit_name(key: &str) -> bool {
     key.starts_with("iops-") || key.starts_with("bps-")
 }
 
@@ -379,6 +402,13 @@ pub fn set(
     id: &str,
     items: &[(String, Option<String>)],
 ) -> Result<(), Box<dyn Error>> {
+    if items.is_empty() {
+        return Err(format!(
+            "disk {id}: nothing to set: give throttle.KEY=VALUE,..., throttle=none or group=NAME (group=none to leave it)"
+        )
+        .into());
+    }
+    crate::disk_args::check_unique(items, &|_| false).map_err(|e| format!("disk {id}: {e}"))?;
     let mut body = json!({"op": "set", "id": id});
     let mut limits = Vec::new();
     let mut cleared = false;
@@ -386,6 +416,9 @@ pub fn set(
         let v = v.as_deref().unwrap_or("");
         match k.as_str() {
             "throttle" if v == "none" => cleared = true,
+            "group" | "throttle.group" if v.is_empty() => {
+                return Err(format!("disk {id}: {k} needs a name ({k}=NAME, or {k}=none)").into())
+            }
             "group" | "throttle.group" => body["group"] = json!(if v == "none" { "" } else { v }),
             k => match k.strip_prefix("throttle.").or_else(|| is_limit_name(k).then_some(k)) {
                 Some(key) => limits.push(format!("{key}={v}")),
@@ -478,15 +511,25 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
             )
         })
     };
-    let mut wanted = Vec::new();
+    let mut wanted: Vec<(String, String)> = Vec::new();
+    let mut sockets = Vec::new();
     for (i, items) in file.disks.iter().enumerate() {
         let what = format!("{} [[disk]] {}", a.config.display(), i + 1);
         let served = disk_from_items(items, &[], &what)?
             .into_served(None, format!("disk{i}"))
             .map_err(|e| format!("{what}: {e}"))?;
+        // Refused as `vblk serve --config` refuses it, before anything changes.
+        if wanted.iter().any(|(id, _)| *id == served.id) {
+            return Err(format!("{what}: two disks are named {:?}", served.id).into());
+        }
+        if sockets.contains(&served.listen) {
+            return Err(format!("{what}: another disk has the same socket").into());
+        }
+        sockets.push(served.listen);
         wanted.push((served.id, spec_of(items)));
     }
     let mut failed = Vec::new();
+    sync_groups(&control, &file, &now, &mut failed);
     for (id, spec) in &served {
         if !wanted.iter().any(|(w, _)| w == id) {
             match remove(&control, id, false) {
@@ -502,10 +545,11 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
                     .cloned()
                     .collect::<Vec<_>>()
             };
-            if want != spec && rest(&want_items) != rest(&have_items) {
+            let changes = changed_items(&rest(&have_items), &rest(&want_items));
+            if !changes.is_empty() {
                 failed.push(format!(
-                    "disk {id}: its settings in {} changed ({spec:?} is served); remove and add it to apply them",
-                    a.config.display()
+                    "disk {id}: its settings in {} changed ({changes}); remove and add it to apply them",
+                    a.config.display(),
                 ));
                 continue;
             }
@@ -561,6 +605,81 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
         return Ok(());
     }
     Err(failed.join("\n").into())
+}
+
+/// What differs between the items served (`have`) and those wanted: `KEY: A served, B in
+/// the file` for each key (`-` where one side has none).
+fn changed_items(have: &[(String, Option<String>)], want: &[(String, Option<String>)]) -> String {
+    let value = |items: &[(String, Option<String>)], k: &str| {
+        items
+            .iter()
+            .find(|(key, _)| key == k)
+            .map(|(_, v)| v.clone().unwrap_or_else(|| "on".into()))
+            .unwrap_or_else(|| "-".into())
+    };
+    let mut keys: Vec<&str> = have.iter().chain(want).map(|(k, _)| k.as_str()).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| value(have, k) != value(want, k))
+        .map(|k| {
+            format!(
+                "{k}: {} served, {} in the file",
+                value(have, k),
+                value(want, k)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Give the daemon's throttle groups the limits the file's `[group.NAME]` tables give
+/// them; a group the file no longer names loses its limits (a disk may still name it).
+/// `now` is the daemon's `list` reply. What fails goes to `failed`.
+fn sync_groups(control: &Path, file: &ConfigFile, now: &Value, failed: &mut Vec<String>) {
+    let empty = Vec::new();
+    let have = now["groups"].as_array().unwrap_or(&empty);
+    let limits_now = |name: &str| {
+        have.iter()
+            .find(|g| g["name"] == name)
+            .and_then(|g| g["throttle"].as_str())
+            .unwrap_or("none")
+            .to_string()
+    };
+    let mut want: Vec<(String, String)> = Vec::new();
+    for (key, value) in &file.daemon {
+        let Some((name, limits)) = value
+            .as_deref()
+            .filter(|_| key == "group")
+            .and_then(|v| v.split_once(':'))
+        else {
+            continue;
+        };
+        want.push((name.to_string(), limits.to_string()));
+    }
+    for g in have {
+        let name = g["name"].as_str().unwrap_or("");
+        if !want.iter().any(|(n, _)| n == name) && limits_now(name) != "none" {
+            want.push((name.to_string(), String::new()));
+        }
+    }
+    for (name, limits) in want {
+        let canonical = match device::throttle::Limits::parse(&limits) {
+            Ok(l) => l.to_string(),
+            Err(e) => {
+                failed.push(format!("throttle group {name}: {e}"));
+                continue;
+            }
+        };
+        if limits_now(&name) == canonical {
+            continue;
+        }
+        let body = json!({"op": "group", "name": name, "limits": limits});
+        match request(control, &body, &[], Duration::from_secs(5)) {
+            Ok(_) => println!("throttle group {name}: {canonical}"),
+            Err(e) => failed.push(format!("throttle group {name}: not set: {e}")),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -209,8 +209,9 @@ pub struct DiskArgs {
     pub delay_every: Option<storage::Delay>,
 
     /// QoS limits, with QEMU's names and semantics (libvirt's `<iotune>`): iops-total,
-    /// iops-read, iops-write (requests per second), bps-total, bps-read, bps-write (bytes
-    /// per second; K, M, G suffixes are powers of 1024), each with -max (a burst rate)
+    /// iops-read, iops-write (requests per second; K, M, G suffixes are 1000s),
+    /// bps-total, bps-read, bps-write (bytes per second; K, M, G, T suffixes are powers
+    /// of 1024, as in sizes; either case), each with -max (a burst rate)
     /// and -max-length (seconds the burst may last at that rate), and iops-size (a
     /// request larger than this counts as size/iops-size requests). Without -max a
     /// tenth of a second of the rate may go at once. Writes, discards and write-zeroes
@@ -222,7 +223,8 @@ pub struct DiskArgs {
 
     /// The throttle group this disk belongs to: the group's limits (--group) cover all
     /// its disks together, and disks that all want more than their share get equal
-    /// shares. In --disk: throttle.group=NAME (or group=NAME).
+    /// shares. In --disk: throttle.group=NAME (or group=NAME); `none` there keeps one
+    /// disk out of the group given outside --disk.
     #[arg(long, value_name = "NAME")]
     pub throttle_group: Option<String>,
 }
@@ -345,6 +347,40 @@ pub fn split_items(spec: &str) -> Items {
         .collect()
 }
 
+/// Refuse a key given twice (`group` and `throttle.group` are one key, as are
+/// `throttle.KEY` and a bare limit name where both are taken), as the command line
+/// refuses a flag given twice: the last one would silently win. Keys that `repeatable`
+/// says are lists (`backing`) may come again.
+pub fn check_unique(
+    items: &[(String, Option<String>)],
+    repeatable: &dyn Fn(&str) -> bool,
+) -> Result<(), String> {
+    let canonical = |k: &str| match k {
+        "group" => "throttle.group".to_string(),
+        k if crate::disk::is_limit_name(k) => format!("throttle.{k}"),
+        k => k.to_string(),
+    };
+    for (i, (k, _)) in items.iter().enumerate() {
+        if k.is_empty() {
+            return Err("a setting without a key: each is KEY=VALUE".into());
+        }
+        if repeatable(k) {
+            continue;
+        }
+        if let Some((first, _)) = items[..i]
+            .iter()
+            .find(|(e, _)| canonical(e) == canonical(k))
+        {
+            return Err(if first == k {
+                format!("{k} is given twice")
+            } else {
+                format!("{first} and {k} are the same setting: give it once")
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Items as a `--disk` value (commas in values doubled): how a disk from a `[[disk]]`
 /// table is described to the daemon and compared by `vblk disk sync`.
 pub fn spec_of(items: &[(String, Option<String>)]) -> String {
@@ -367,6 +403,13 @@ pub fn disk_from_items(
     what: &str,
 ) -> Result<DiskArgs, String> {
     let cmd = DiskCli::command();
+    let repeatable = |key: &str| {
+        cmd.get_arguments().any(|a| {
+            a.get_long() == Some(long_name(key))
+                && matches!(a.get_action(), clap::ArgAction::Append)
+        })
+    };
+    check_unique(items, &repeatable).map_err(|e| format!("{what}: {e}"))?;
     let mut argv: Vec<std::ffi::OsString> = inherited.to_vec();
     // throttle.KEY=VALUE items make one --throttle; throttle.group (or group) names the
     // group.
@@ -400,10 +443,15 @@ pub fn disk_from_items(
             ));
         };
         if !arg.get_action().takes_values() {
-            match value.as_deref() {
+            match value.as_deref().map(str::to_ascii_lowercase).as_deref() {
                 None | Some("on" | "true" | "yes" | "1") => argv.push(format!("--{long}").into()),
                 Some("off" | "false" | "no" | "0") => {}
-                Some(v) => return Err(format!("{what}: {key}={v}: expected on or off")),
+                Some(_) => {
+                    return Err(format!(
+                        "{what}: {key}={}: expected on or off (or true/false, yes/no, 1/0)",
+                        value.as_deref().unwrap_or("")
+                    ))
+                }
             }
             continue;
         }
@@ -520,7 +568,8 @@ impl DiskArgs {
                 incoming: a.incoming,
             },
             throttle: a.throttle.unwrap_or_default(),
-            throttle_group: a.throttle_group,
+            // `none` (as `vblk disk set` takes it): in no group.
+            throttle_group: a.throttle_group.filter(|g| g != "none"),
             backing: a.backing,
             qcow2_cache: a.qcow2_cache as usize,
         };

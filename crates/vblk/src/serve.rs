@@ -144,10 +144,12 @@ pub struct DaemonArgs {
     #[arg(long, value_name = "PATH")]
     pub control_socket: Option<PathBuf>,
 
-    /// The group that may connect to the sockets vblk creates (--socket-path,
-    /// --control-socket): they are made mode 0660 with this group (a name or a number)
-    /// [default: mode 0600, the daemon's user only; the umask is not used]. A frontend
-    /// running as another user, such as libvirt's qemu user, connects through the group.
+    /// The group that may connect to the sockets vblk creates (every disk's socket,
+    /// --socket-path or socket= in --disk and --config, and --control-socket; disks added
+    /// later by `vblk disk add` unless it names another): they are made mode 0660 with
+    /// this group (a name or a number) [default: mode 0600, the daemon's user only; the
+    /// umask is not used]. A frontend running as another user, such as libvirt's qemu
+    /// user, connects through the group.
     #[arg(long, value_name = "GROUP")]
     pub socket_group: Option<String>,
 
@@ -169,7 +171,7 @@ fn parse_group(s: &str) -> Result<(String, device::throttle::Limits), String> {
     let (name, limits) = s.split_once(':').ok_or_else(|| {
         format!("{s:?}: expected NAME:KEY=VALUE,... (e.g. tenants:iops-total=20000)")
     })?;
-    device::config::check_id(name).map_err(|e| format!("--group {name}: {e}"))?;
+    device::config::check_group_name(name).map_err(|e| format!("--group: {e}"))?;
     Ok((name.to_string(), device::throttle::Limits::parse(limits)?))
 }
 
@@ -241,7 +243,7 @@ impl DaemonArgs {
             coalesce_us: self.coalesce_us,
             cpus: self.cpus.map(|c| c.0).unwrap_or_default(),
             control_socket: self.control_socket,
-            control_access: device::socket_file::SocketAccess {
+            socket_access: device::socket_file::SocketAccess {
                 group: self.socket_group,
             },
             sandbox: device::sandbox::SandboxConfig {
@@ -317,9 +319,10 @@ pub fn plan(
     let daemon = daemon_args.into_config();
     daemon.validate().map_err(|e| e.to_string())?;
     if !many {
-        let served = args
+        let mut served = args
             .one
             .into_served(socket_from_environment()?.map(Listen::Fd), "disk0".into())?;
+        served.config.socket_access = daemon.socket_access.clone();
         return Ok((daemon, vec![served]));
     }
     let inherited = explicit_disk_flags(matches);
@@ -329,6 +332,7 @@ pub fn plan(
             .into_served(None, format!("disk{i}"))
             .map_err(|e| format!("{what}: {e}"))?;
         served.spec = spec;
+        served.config.socket_access = daemon.socket_access.clone();
         disks.push(served);
     }
     Ok((daemon, disks))
@@ -790,6 +794,58 @@ mod tests {
         assert!(e.contains("read-only=maybe: expected on or off"), "{e}");
         let e = plan_of(&["--disk", "socket=/a.sock,file=null:1G,id=a/b"]).unwrap_err();
         assert!(e.contains("disk id \"a/b\""), "{e}");
+        let e = plan_of(&["--disk", "socket=/a.sock,file=null:1G,socket=/b.sock"]).unwrap_err();
+        assert!(e.contains("socket is given twice"), "{e}");
+        let e = plan_of(&[
+            "--disk",
+            "socket=/a.sock,file=null:1G,group=g,throttle.group=h",
+        ])
+        .unwrap_err();
+        assert!(
+            e.contains("group and throttle.group are the same setting"),
+            "{e}"
+        );
+        // A list may come again: the backing chain, in order.
+        let (_, disks) = plan_of(&[
+            "--disk",
+            "socket=/a.sock,file=/a.qcow2,format=qcow2,backing=/b.qcow2,backing=/c.raw",
+        ])
+        .unwrap();
+        assert_eq!(disks[0].config.backing.len(), 2);
+    }
+
+    #[test]
+    fn sockets_take_the_socket_group_and_none_leaves_the_group() {
+        let (d, disks) = plan_of(&[
+            "--socket-group",
+            "kvm",
+            "--throttle-group",
+            "tenants",
+            "--disk",
+            "socket=/a.sock,file=null:1G",
+            "--disk",
+            "socket=/b.sock,file=null:1G,group=none",
+        ])
+        .unwrap();
+        assert_eq!(d.socket_access.group.as_deref(), Some("kvm"));
+        for disk in &disks {
+            assert_eq!(disk.config.socket_access, d.socket_access, "{}", disk.id);
+        }
+        assert_eq!(disks[0].config.throttle_group.as_deref(), Some("tenants"));
+        assert_eq!(
+            disks[1].config.throttle_group, None,
+            "group=none: in no group"
+        );
+        let (d, disks) = plan_of(&[
+            "--socket-group",
+            "kvm",
+            "--blk-file",
+            "null:1G",
+            "--socket-path",
+            "/c.sock",
+        ])
+        .unwrap();
+        assert_eq!(disks[0].config.socket_access, d.socket_access, "one disk");
     }
 
     #[test]

@@ -12,8 +12,10 @@ use serde_json::{json, Value};
 /// Without `--interval`: for each disk (or the one `--disk` names), counters since the
 /// disk was added, per queue — requests and
 /// MiB by type, average completion latency, requests in flight, malformed (rejected) and
-/// failed requests — then completion-latency percentiles (fio's clat, in µs) and each
-/// worker thread's polling hits and misses.
+/// failed requests — then completion-latency percentiles (fio's clat, in µs), the disk's
+/// QoS (its limits, its throttle group, how many requests waited for them and how long),
+/// each throttle group's limits, disks and waits, and each worker thread's polling hits
+/// and misses.
 ///
 /// With `--interval SECS`: one line per active queue of each disk every SECS seconds, with the rates
 /// of that interval in `iostat -x`'s names and units: r/s, rkB/s, r_await (ms), w/s,
@@ -118,7 +120,10 @@ fn print_snapshot(v: &Value) {
         if i > 0 {
             println!();
         }
-        print_disk(d, u(&v["uptime_ns"]));
+        // Each disk's own uptime (since it was added); a daemon from before several
+        // disks has only its own.
+        let up = d.get("uptime_ns").unwrap_or(&v["uptime_ns"]);
+        print_disk(d, u(up));
     }
     print_groups(v);
     print_workers(v);
@@ -225,13 +230,13 @@ fn print_workers(v: &Value) {
 
 fn print_disk(v: &Value, uptime_ns: u64) {
     println!(
-        "vblk serve: {}{} ({:.1} GiB), up {:.1} s, {} queues offered",
+        "vblk serve: {}{} ({}), up {:.1} s, {} queues offered",
         v["id"]
             .as_str()
             .map(|id| format!("disk {id}: "))
             .unwrap_or_default(),
         v["disk"].as_str().unwrap_or("?"),
-        u(&v["capacity_bytes"]) as f64 / (1u64 << 30) as f64,
+        crate::disk::size_text(u(&v["capacity_bytes"])),
         uptime_ns as f64 / 1e9,
         u(&v["num_queues"])
     );

@@ -6,6 +6,7 @@
 mod support;
 
 use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,6 +47,8 @@ fn disks_come_and_go_while_the_daemon_runs() {
             &[
                 "--threads",
                 "2",
+                "--socket-group",
+                "daemon",
                 "--control-socket",
                 s(&ctl),
                 "--num-queues",
@@ -58,6 +61,16 @@ fn disks_come_and_go_while_the_daemon_runs() {
             &b,
             &dir.path().join("vblk.log"),
         );
+        // --socket-group covers every socket the daemon makes: mode 0660, that group.
+        let access = |p: &std::path::Path| {
+            let m = fs::metadata(p).unwrap();
+            (m.permissions().mode() & 0o777, m.gid())
+        };
+        let daemon_gid = access(&ctl).1;
+        assert_ne!(daemon_gid, 0, "the control socket is in group daemon");
+        for sock in [&ctl, &a, &b] {
+            assert_eq!(access(sock), (0o660, daemon_gid), "{}", sock.display());
+        }
         let list = ok(&["disk", "list", s(&ctl)]);
         assert!(list.contains("a ") && list.contains("second "), "{list}");
         assert!(
@@ -100,7 +113,9 @@ fn disks_come_and_go_while_the_daemon_runs() {
         );
         drop(q);
         drop(disk);
-        // Added live: the image is opened by `vblk disk add`, not by the daemon.
+        // Added live: the image is opened by `vblk disk add`, not by the daemon. (Well
+        // after the daemon started: its statistics count from when it was added.)
+        std::thread::sleep(Duration::from_millis(1500));
         let added = ok(&[
             "disk",
             "add",
@@ -108,6 +123,23 @@ fn disks_come_and_go_while_the_daemon_runs() {
             &format!("socket={},file={},format=raw,num-queues=1", s(&c), s(&img)),
         ]);
         assert!(added.contains("disk c added"), "{added}");
+        assert_eq!(
+            access(&c),
+            (0o660, daemon_gid),
+            "a disk added without --socket-group takes the daemon's"
+        );
+        let text = ok(&["stats", s(&ctl), "--disk", "c"]);
+        let up: f64 = text
+            .split_once(", up ")
+            .and_then(|(_, r)| r.split_once(" s,"))
+            .and_then(|(x, _)| x.parse().ok())
+            .unwrap_or_else(|| panic!("no uptime in {text}"));
+        let daemon_up = stats(&ctl)["uptime_ns"].as_u64().unwrap() as f64 / 1e9;
+        assert!(
+            up + 1.0 < daemon_up,
+            "disk c shows the daemon's uptime ({up} s, the daemon's {daemon_up} s): {text}"
+        );
+        assert!(text.contains("(16.0 MiB)"), "{text}");
         let disk = Disk::attach(&c, &DiskOptions::default()).unwrap();
         assert_eq!(disk.capacity_bytes(), 16 * MIB);
         let mut q = disk.take_queue(0).unwrap();
@@ -142,7 +174,42 @@ fn disks_come_and_go_while_the_daemon_runs() {
             &format!("socket={},file=null:1G,threads=2", s(&c)),
         ]);
         assert!(!bad && why.contains("applies to the whole daemon"), "{why}");
+        // A name already served is refused before the daemon takes the socket over.
+        let (bad, why) = vblk(&[
+            "disk",
+            "add",
+            s(&ctl),
+            &format!("socket={},file=null:1G,id=second", s(&c)),
+        ]);
+        assert!(
+            !bad && why.contains("a disk named \"second\" is served already"),
+            "{why}"
+        );
+        assert!(!c.exists(), "the refused disk's socket is gone");
+        // Settings given twice are refused, not the last one taken.
+        let (bad, why) = vblk(&[
+            "disk",
+            "add",
+            s(&ctl),
+            &format!("socket={},file=null:1G,num-queues=2,num-queues=3", s(&c)),
+        ]);
+        assert!(!bad && why.contains("num-queues is given twice"), "{why}");
+        let (bad, why) = vblk(&[
+            "disk",
+            "set",
+            s(&ctl),
+            "second",
+            "iops-total=5,throttle.iops-total=6",
+        ]);
+        assert!(
+            !bad && why.contains("iops-total and throttle.iops-total are the same setting"),
+            "{why}"
+        );
+        let (bad, why) = vblk(&["disk", "set", s(&ctl), "second", ""]);
+        assert!(!bad && why.contains("nothing to set"), "{why}");
         drop(d);
+        let log = fs::read_to_string(dir.path().join("vblk.log")).unwrap();
+        assert!(!log.contains("no longer the one this daemon made"), "{log}");
     });
 }
 
@@ -324,6 +391,67 @@ fn a_forced_removal_under_load_loses_no_acknowledged_write() {
     });
 }
 
+/// The control socket answers while a slow request is under way: statistics and the
+/// list come at once while a forced removal waits 8 s for the disk's write in flight.
+#[test]
+fn the_control_socket_answers_during_a_slow_removal() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("disks-slow-remove");
+        let (x, y) = (dir.path().join("x.sock"), dir.path().join("y.sock"));
+        let ctl = dir.path().join("ctl.sock");
+        let _d = Daemon::start_vblk(
+            "vblk",
+            &[
+                "--control-socket",
+                s(&ctl),
+                "--disk",
+                &format!("socket={},file=mem:16M,delay-every=1:8000:hold", s(&x)),
+                "--disk",
+                &format!("socket={},file=null:1G", s(&y)),
+            ],
+            &y,
+            &dir.path().join("vblk.log"),
+        );
+        let disk = Disk::attach(&x, &DiskOptions::default()).unwrap();
+        let writer = std::thread::spawn(move || {
+            let mut q = disk.take_queue(0).unwrap();
+            q.write_at(0, &[5u8; 4096])
+        });
+        // The write is held at the device; the removal waits for it.
+        let t0 = Instant::now();
+        while stats(&ctl)["disks"][0]["queues"][0]["in_flight"].as_u64() != Some(1) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the write never arrived"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let ctl2 = ctl.clone();
+        let removal =
+            std::thread::spawn(move || vblk(&["disk", "remove", s(&ctl2), "x", "--force"]));
+        std::thread::sleep(Duration::from_millis(300));
+        let list = ok(&["disk", "list", s(&ctl)]);
+        assert!(
+            !removal.is_finished(),
+            "the removal did not wait for the write"
+        );
+        assert!(list.contains("y "), "{list}");
+        let st = stats(&ctl);
+        assert!(st["disks"].as_array().is_some(), "{st}");
+        assert!(
+            !removal.is_finished(),
+            "statistics and the list answered only after the removal"
+        );
+        let (removed, why) = removal.join().unwrap();
+        assert!(removed, "{why}");
+        writer
+            .join()
+            .unwrap()
+            .expect("the write in flight finished before the removal");
+    });
+}
+
 /// `vblk disk sync` makes the daemon serve what its config file says: a disk added, one
 /// removed, one's limits changed; nothing done twice.
 #[test]
@@ -365,5 +493,64 @@ fn a_config_file_reloaded_adds_removes_and_relimits() {
         rate_within_2pct("disk a after the reload", 2000.0, || bench(&a, &args).0);
         let said = ok(&["disk", "sync", "--config", s(&cfg)]);
         assert!(said.trim().is_empty(), "nothing to do twice: {said}");
+        // The file's groups: one changed, one new (with a disk moved into it), one that
+        // loses its limits when the file no longer names it.
+        let text = fs::read_to_string(&cfg).unwrap();
+        let moved = text
+            .replace("iops-total = 3000", "iops-total = 1500")
+            .replace(&disk_table(&c, ""), &disk_table(&c, "group = \"h\""))
+            + "\n[group.h]\niops-total = 300\n";
+        fs::write(&cfg, &moved).unwrap();
+        let said = ok(&["disk", "sync", "--config", s(&cfg)]);
+        assert!(
+            said.contains("throttle group g: iops-total=1500")
+                && said.contains("throttle group h: iops-total=300")
+                && said.contains("disk c: QoS set"),
+            "{said}"
+        );
+        let groups = || {
+            let v: Value = serde_json::from_str(&ok(&["disk", "list", s(&ctl), "--json"])).unwrap();
+            v["groups"].clone()
+        };
+        let g = groups();
+        assert_eq!(g[0]["name"], "g", "{g}");
+        assert_eq!(g[0]["throttle"], "iops-total=1500", "{g}");
+        assert_eq!(g[1]["name"], "h", "{g}");
+        assert_eq!(g[1]["throttle"], "iops-total=300", "{g}");
+        assert_eq!(g[1]["members"][0], "c", "{g}");
+        rate_within_2pct("disk c in group h", 300.0, || bench(&c, &args).0);
+        let said = ok(&["disk", "sync", "--config", s(&cfg)]);
+        assert!(said.trim().is_empty(), "nothing to do again: {said}");
+        fs::write(&cfg, text.replace("[group.g]\niops-total = 3000\n", "")).unwrap();
+        let said = ok(&["disk", "sync", "--config", s(&cfg)]);
+        assert!(
+            said.contains("throttle group g: none") && said.contains("disk c: QoS set"),
+            "{said}"
+        );
+        let g = groups();
+        assert_eq!(
+            g[0]["throttle"], "none",
+            "group g, no longer in the file: {g}"
+        );
+        assert_eq!(
+            g.as_array().unwrap().len(),
+            1,
+            "group h went with its last disk: {g}"
+        );
+        // A file that names two disks alike is refused before anything changes, and a
+        // change that needs the disk re-added names what changed.
+        fs::write(
+            &cfg,
+            text.clone() + &disk_table(&dir.path().join("other").join("c.sock"), ""),
+        )
+        .unwrap();
+        let (done, why) = vblk(&["disk", "sync", "--config", s(&cfg)]);
+        assert!(!done && why.contains("two disks are named \"c\""), "{why}");
+        fs::write(&cfg, text.replace("num-queues = 1\n", "num-queues = 2\n")).unwrap();
+        let (done, why) = vblk(&["disk", "sync", "--config", s(&cfg)]);
+        assert!(
+            !done && why.contains("num-queues: 1 served, 2 in the file"),
+            "{why}"
+        );
     });
 }

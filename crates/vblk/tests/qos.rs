@@ -223,6 +223,23 @@ fn a_group_is_shared_fairly_and_changes_live() {
             let (x, y) = pair();
             x + y
         });
+        // A member held to less by its own limit leaves the rest of the group's to the
+        // other (it held both to its own pace).
+        ok(&["disk", "set", s(&ctl), "a", "iops-total=300,group=g"]);
+        rate_within_2pct(
+            "the group's total, one member capped at 300",
+            1000.0,
+            || {
+                (x, y) = pair();
+                x + y
+            },
+        );
+        within_2pct("a, capped at 300 in a group of 1000", x, 300.0);
+        assert!(
+            (y - 700.0).abs() <= 35.0,
+            "b: {y:.0} IOPS of the 700 its group's other member leaves (a {x:.0})"
+        );
+        ok(&["disk", "set", s(&ctl), "a", "throttle=none,group=g"]);
         let st = stats(&ctl);
         let g = &st["throttle_groups"][0];
         assert_eq!(g["name"], "g");

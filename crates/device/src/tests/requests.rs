@@ -409,3 +409,16 @@ fn indirect_table_longer_than_the_queue_is_served() {
     );
     assert!(!rig.broken());
 }
+
+/// A request the disk serves within the pass that took it is timed to its completion,
+/// not to the start of that pass (which read 0 ns for every such request).
+#[test]
+fn a_request_done_within_its_pass_is_timed() {
+    let mut rig = Rig::new(false, EngineKind::Sync);
+    rig.write_header(HDR, req_type::IN, 3);
+    assert_eq!(rig.run(&read_chain(1024), &[(DATA, DATA + 1024)]), ok(1025));
+    let s = rig.stats.snapshot(0);
+    let read = &s["ops"]["read"];
+    assert_eq!(read["ios"], 1, "{s}");
+    assert!(read["lat"]["sum_ns"].as_u64().unwrap() > 0, "{read}");
+}

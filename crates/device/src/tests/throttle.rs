@@ -19,6 +19,7 @@ fn limit(rig: &mut Rig, limits: &str) {
                 Arc::new(Limiter::new(&l, Instant::now(), Arc::default())),
                 0,
             )],
+            own: 1,
             stats: Arc::default(),
             group_stats: None,
         })

@@ -95,26 +95,45 @@ pub fn keys() -> Vec<String> {
     out
 }
 
-/// Parse a number with an optional K, M, G, T suffix (powers of 1024, for byte rates
-/// such as `bps-total=100M`) or k, m, g (powers of 1000, for `iops-total=10k`).
+/// Parse a number with an optional K, M, G or T suffix, in either case: powers of 1024 for
+/// what counts bytes (`bps-*`, `iops-size`: `bps-total=100M`, as vblk's sizes), powers of
+/// 1000 for what counts requests (`iops-total=10k`). The key says which: `10m` and `10M`
+/// are never two different rates.
 fn number(key: &str, v: &str) -> Result<u64, String> {
     let v = v.trim();
+    let bytes = key.starts_with("bps") || key == "iops-size";
+    let power = |n: u32| {
+        if bytes {
+            1u64 << (10 * n)
+        } else {
+            1000u64.pow(n)
+        }
+    };
     let (digits, mult) = match v.char_indices().last() {
-        Some((i, 'K')) => (&v[..i], 1u64 << 10),
-        Some((i, 'M')) => (&v[..i], 1 << 20),
-        Some((i, 'G')) => (&v[..i], 1 << 30),
-        Some((i, 'T')) => (&v[..i], 1 << 40),
-        Some((i, 'k')) => (&v[..i], 1_000),
-        Some((i, 'm')) => (&v[..i], 1_000_000),
-        Some((i, 'g')) => (&v[..i], 1_000_000_000),
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let n = match c.to_ascii_lowercase() {
+                'k' => 1,
+                'm' => 2,
+                'g' => 3,
+                't' => 4,
+                _ => 0,
+            };
+            (&v[..i], if n > 0 { power(n) } else { 0 })
+        }
         _ => (v, 1),
+    };
+    let unit = if bytes {
+        "1024s: bytes"
+    } else {
+        "1000s: requests"
     };
     digits
         .parse::<u64>()
         .ok()
+        .filter(|_| mult != 0)
         .and_then(|n| n.checked_mul(mult))
         .ok_or_else(|| {
-            format!("{key}={v}: not a number (a count, or with K/M/G/T for 1024s, k/m/g for 1000s)")
+            format!("{key}={v}: not a number (a count, or with K, M, G or T for {unit})")
         })
 }
 
@@ -178,43 +197,60 @@ impl Limits {
     /// QEMU's checks in QEMU's order, with QEMU's messages (`throttle_is_valid`).
     pub fn validate(&self) -> Result<(), String> {
         let b = &self.buckets;
-        // bps: 0 total, 1 read, 2 write; iops: 3 total, 4 read, 5 write.
-        let mixed = |t: usize, r: usize, w: usize, f: fn(&BucketLimit) -> u64| {
-            f(&b[t]) != 0 && (f(&b[r]) != 0 || f(&b[w]) != 0)
+        let names: Vec<&str> = BUCKETS.iter().map(|&(u, s)| name(u, s)).collect();
+        // bps: 0 total, 1 read, 2 write; iops: 3 total, 4 read, 5 write. QEMU's messages,
+        // after the keys they are about.
+        let mixed = |t: usize, r: usize, w: usize, f: fn(&BucketLimit) -> u64, suffix: &str| {
+            let other = [r, w].into_iter().find(|&i| f(&b[i]) != 0)?;
+            (f(&b[t]) != 0).then(|| format!("{}{suffix} and {}{suffix}", names[t], names[other]))
         };
-        if mixed(0, 1, 2, |x| x.avg)
-            || mixed(3, 4, 5, |x| x.avg)
-            || mixed(0, 1, 2, |x| x.max)
-            || mixed(3, 4, 5, |x| x.max)
+        let avg: fn(&BucketLimit) -> u64 = |x| x.avg;
+        let max: fn(&BucketLimit) -> u64 = |x| x.max;
+        if let Some(keys) = mixed(0, 1, 2, avg, "")
+            .or_else(|| mixed(3, 4, 5, avg, ""))
+            .or_else(|| mixed(0, 1, 2, max, "-max"))
+            .or_else(|| mixed(3, 4, 5, max, "-max"))
         {
-            return Err(
-                "bps/iops/max total values and read/write values cannot be used at the same time"
-                    .into(),
-            );
+            return Err(format!(
+                "{keys}: bps/iops/max total values and read/write values cannot be used at the same time"
+            ));
         }
         if self.iops_size != 0 && b[3].avg == 0 && b[4].avg == 0 && b[5].avg == 0 {
-            return Err("iops size requires an iops value to be set".into());
+            return Err("iops-size: iops size requires an iops value to be set".into());
         }
-        for x in b {
+        for (x, n) in b.iter().zip(&names) {
             if x.avg > VALUE_MAX || x.max > VALUE_MAX {
+                let key = if x.avg > VALUE_MAX {
+                    n.to_string()
+                } else {
+                    format!("{n}-max")
+                };
                 return Err(format!(
-                    "bps/iops/max values must be within [0, {VALUE_MAX}]"
+                    "{key}: bps/iops/max values must be within [0, {VALUE_MAX}]"
                 ));
             }
             if x.max_length == 0 {
-                return Err("the burst length cannot be 0".into());
+                return Err(format!("{n}-max-length: the burst length cannot be 0"));
             }
             if x.max_length > 1 && x.max == 0 {
-                return Err("burst length set without burst rate".into());
+                return Err(format!(
+                    "{n}-max-length without {n}-max: burst length set without burst rate"
+                ));
             }
             if x.max != 0 && x.max_length > VALUE_MAX / x.max {
-                return Err("burst length too high for this burst rate".into());
+                return Err(format!(
+                    "{n}-max-length: burst length too high for this burst rate"
+                ));
             }
             if x.max != 0 && x.avg == 0 {
-                return Err("bps_max/iops_max require corresponding bps/iops values".into());
+                return Err(format!(
+                    "{n}-max without {n}: bps_max/iops_max require corresponding bps/iops values"
+                ));
             }
             if x.max != 0 && x.max < x.avg {
-                return Err("bps_max/iops_max cannot be lower than bps/iops".into());
+                return Err(format!(
+                    "{n}-max below {n}: bps_max/iops_max cannot be lower than bps/iops"
+                ));
             }
         }
         Ok(())
@@ -273,10 +309,22 @@ mod tests {
         assert_eq!(l.buckets[1].avg, 100 << 20);
         assert_eq!(l.iops_size, 4096);
         assert_eq!(Limits::parse(&l.to_string()).unwrap(), l);
-        assert_eq!(
-            Limits::parse("iops-total=10k").unwrap().buckets[3].avg,
-            10_000
-        );
+        // Requests count in 1000s, bytes in 1024s, whatever the case of the suffix.
+        let one = |s: &str| Limits::parse(s).unwrap();
+        for (spec, bucket, want) in [
+            ("iops-total=10k", 3, 10_000),
+            ("iops-total=10K", 3, 10_000),
+            ("iops-read=2m", 4, 2_000_000),
+            ("bps-total=10m", 0, 10 << 20),
+            ("bps-total=10M", 0, 10 << 20),
+            ("bps-write=1t", 2, 1 << 40),
+            ("bps-read=3g", 1, 3 << 30),
+        ] {
+            assert_eq!(one(spec).buckets[bucket].avg, want, "{spec}");
+        }
+        assert_eq!(one("iops-total=1,iops-size=4k").iops_size, 4096);
+        assert!(Limits::parse("iops-total=10x").is_err());
+        assert!(Limits::parse("iops-total=k").is_err());
         assert!(Limits::parse("none").unwrap().is_unlimited());
         assert_eq!(Limits::default().to_string(), "none");
     }
@@ -286,7 +334,7 @@ mod tests {
         let bad = |s: &str| Limits::parse(s).unwrap_err();
         assert_eq!(
             bad("iops-total=1,iops-read=1"),
-            "bps/iops/max total values and read/write values cannot be used at the same time"
+            "iops-total and iops-read: bps/iops/max total values and read/write values cannot be used at the same time"
         );
         assert!(
             Limits::parse("bps-total=1,iops-read=1").is_ok(),
@@ -294,27 +342,27 @@ mod tests {
         );
         assert_eq!(
             bad("bps-total=1,iops-size=4096"),
-            "iops size requires an iops value to be set"
+            "iops-size: iops size requires an iops value to be set"
         );
         assert_eq!(
             bad("iops-total=1,iops-total-max-length=0"),
-            "the burst length cannot be 0"
+            "iops-total-max-length: the burst length cannot be 0"
         );
         assert_eq!(
             bad("iops-total=1,iops-total-max-length=2"),
-            "burst length set without burst rate"
+            "iops-total-max-length without iops-total-max: burst length set without burst rate"
         );
         assert_eq!(
             bad("iops-total-max=10"),
-            "bps_max/iops_max require corresponding bps/iops values"
+            "iops-total-max without iops-total: bps_max/iops_max require corresponding bps/iops values"
         );
         assert_eq!(
             bad("iops-total=10,iops-total-max=5"),
-            "bps_max/iops_max cannot be lower than bps/iops"
+            "iops-total-max below iops-total: bps_max/iops_max cannot be lower than bps/iops"
         );
         assert_eq!(
             bad("iops-total=1000000000000001"),
-            "bps/iops/max values must be within [0, 1000000000000000]"
+            "iops-total: bps/iops/max values must be within [0, 1000000000000000]"
         );
         assert!(bad("iops-total=x").contains("not a number"));
         assert!(bad("iopstotal=1").contains("unknown limit"));

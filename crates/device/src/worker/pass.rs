@@ -36,7 +36,7 @@ impl Worker {
             }
         }
         if let Some(t) = &mut self.throttle {
-            t.update_waiting();
+            t.update_waiting(self.now_ticks);
             if t.idle() {
                 self.throttle = None;
                 self.throttle_wake = None;
@@ -297,6 +297,15 @@ impl Worker {
         }
         self.in_flight -= n;
         self.work += n as u64;
+        // Completion latency ends here, not at the start of the pass: a request taken
+        // and done by the disk within one pass (a page-cache write, a synchronous read)
+        // took time. A RAM or null disk's is done in memory as it is taken: its pass's
+        // clock will do.
+        let now = if self.engine.completes_in_memory() {
+            self.now_ticks
+        } else {
+            throttle::ticks(Instant::now())
+        };
         let mut old_done = 0;
         let view = self.log.as_deref().map(|log| LogView {
             log,
@@ -313,7 +322,7 @@ impl Worker {
                 .find(|(q, _)| q.index == index && q.gen == gen);
             if let Some((q, publish)) = found {
                 let big = (&mut self.big_slots, self.big_slots_max);
-                let (log, now) = (view.as_ref(), self.now_ticks);
+                let log = view.as_ref();
                 complete(q, head, c.result, &mut self.io_log, publish, now, big, log);
                 if !publish {
                     old_done += 1;

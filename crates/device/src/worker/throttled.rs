@@ -18,8 +18,11 @@ use crate::throttle::{Dir, Limiter, LimiterStats};
 /// What a worker is given to throttle its requests.
 #[derive(Clone, Debug)]
 pub(crate) struct ThrottleSetup {
-    /// Each limiter, and the member index of this worker's disk in it.
+    /// Each limiter, and the member index of this worker's disk in it: the disk's own
+    /// first (the first `own` of them), then its group's.
     pub limiters: Vec<(Arc<Limiter>, usize)>,
+    /// How many of `limiters` are the disk's own (0 or 1).
+    pub own: usize,
     /// The disk's throttling counters.
     pub stats: Arc<LimiterStats>,
     /// The group's, when the disk is in one.
@@ -63,9 +66,12 @@ impl Throttled {
         self.set_waiting(false);
         match setup {
             Some(s) => self.setup = s,
-            None => self.setup.limiters.clear(),
+            None => {
+                self.setup.limiters.clear();
+                self.setup.own = 0;
+            }
         }
-        self.update_waiting();
+        // Whether it waits for the new limiters is looked at by the next pass.
     }
 
     /// No limiter and nothing waiting: the worker can drop this.
@@ -111,10 +117,18 @@ impl Throttled {
         }
     }
 
-    /// Tell the limiters whether this worker has requests waiting (fairness in groups).
-    pub fn update_waiting(&mut self) {
-        let now = self.parked.iter().any(|p| !p.is_empty());
-        self.set_waiting(now);
+    /// Tell the limiters whether this worker has requests waiting for them at `now`
+    /// (ticks), for fairness in groups: a direction's first waiting request that the
+    /// disk's own limits would let go. One that its own limits hold does not wait for the
+    /// group: counted as waiting, a disk capped by its own limit would hold every other
+    /// member of its group to its pace (each may be at most a quantum ahead of a waiting
+    /// member), where the group's credit it cannot use belongs to the others.
+    pub fn update_waiting(&mut self, now: u64) {
+        let own = &self.setup.limiters[..self.setup.own.min(self.setup.limiters.len())];
+        let waiting = [Dir::Read, Dir::Write].into_iter().any(|dir| {
+            !self.parked[dir as usize].is_empty() && own.iter().all(|(l, _)| l.wait(dir, now) == 0)
+        });
+        self.set_waiting(waiting);
     }
 
     fn set_waiting(&mut self, waiting: bool) {
@@ -131,5 +145,61 @@ impl Throttled {
 impl Drop for Throttled {
     fn drop(&mut self) {
         self.set_waiting(false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::throttle::{ticks, Limits};
+
+    fn limiter(limits: &str, now: Instant) -> Arc<Limiter> {
+        let l = Limits::parse(limits).unwrap();
+        Arc::new(Limiter::new(&l, now, Arc::default()))
+    }
+
+    /// A disk whose own limit holds its waiting requests does not wait for its group: the
+    /// group's other member goes on however far ahead it is. Once its own limit lets its
+    /// next request go, it waits for the group, and the member ahead lets it go first.
+    #[test]
+    fn a_disk_held_by_its_own_limit_does_not_hold_its_group() {
+        let start = Instant::now();
+        let own = limiter("iops-total=1", start);
+        let group = limiter("iops-total=1000", start);
+        group.set_members(2);
+        let setup = ThrottleSetup {
+            limiters: vec![(own, 0), (group.clone(), 0)],
+            own: 1,
+            stats: Arc::default(),
+            group_stats: None,
+        };
+        let mut t = Throttled::new(setup, 4);
+        let now = ticks(start);
+        assert_eq!(t.admit(Dir::Read, 4096, now), 0, "the first request goes");
+        assert_ne!(
+            t.admit(Dir::Read, 4096, now),
+            0,
+            "its own limit holds the next"
+        );
+        t.park(Dir::Read, Parked { queue: 0, head: 1 });
+        // The other member takes 100 ms of the group's time.
+        for _ in 0..100 {
+            group.charge(Dir::Read, 4096, now, 1);
+        }
+        t.update_waiting(now);
+        assert!(
+            group.may_go(1),
+            "a member held by its own limit made the group wait for it"
+        );
+        // A second later its own limit lets the request go: now it waits for the group.
+        let later = ticks(start + Duration::from_secs(1));
+        t.update_waiting(later);
+        assert!(
+            !group.may_go(1),
+            "a member that waits for the group only is not served first"
+        );
+        assert!(group.may_go(0));
     }
 }
