@@ -14,7 +14,7 @@ use crate::pace::Pacer;
 use crate::stats::{Cpu, Latency};
 use crate::target::{AttachOptions, Geometry, Target};
 use crate::verify::{self, WrittenMap};
-use crate::workload::{Generator, IoDir};
+use crate::workload::{Generator, IoDir, IoUnit};
 
 /// How to run (what a job file does not say).
 #[derive(Clone, Debug)]
@@ -377,6 +377,13 @@ struct Slot {
     t1: u64,
 }
 
+/// Whether `u` overlaps an I/O in flight: a slot that is not in `free`.
+fn overlaps_in_flight(slots: &[Slot], free: &[usize], u: &IoUnit) -> bool {
+    slots.iter().enumerate().any(|(i, s)| {
+        u.offset < s.offset + s.len && s.offset < u.offset + u.len && !free.contains(&i)
+    })
+}
+
 /// Nanoseconds on `CLOCK_MONOTONIC`, the clock [`Instant`] reads on Linux, as one integer.
 /// The loop takes two timestamps per I/O and one per batch of completions, and subtracts
 /// them: on `Instant` each subtraction normalises two (seconds, nanoseconds) pairs and
@@ -461,6 +468,13 @@ fn run_clone(
         let mut due = None;
         while !stopping && in_flight < depth && !free.is_empty() {
             let u = pending.take().unwrap_or_else(|| gen.next());
+            // Verified I/O never overlaps I/O in flight (fio's serialize_overlap): a read
+            // racing a write of the same sectors may find either, or a sector half
+            // written, and the written map would say which it must be only afterwards.
+            if verifying && overlaps_in_flight(&slots, &free, &u) {
+                pending = Some(u);
+                break;
+            }
             if let Some(p) = pacer.as_mut() {
                 let now = Instant::now();
                 if let Some(t) = p.due(u.dir, now) {

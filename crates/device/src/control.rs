@@ -9,8 +9,9 @@
 //! - `{"op":"list"}`: the disks.
 //! - `{"op":"add","disk":SPEC,"socket":PATH}`: serve a new disk. SPEC is what
 //!   `vblk serve --disk` takes. The message carries the disk's listening socket (bound by
-//!   the client at PATH) and, for an image file or block device, the open file: the
-//!   daemon is confined and opens nothing itself (docs/security.md).
+//!   the client at PATH) and, for an image file or block device, the open file, then a
+//!   qcow2 image's backing files in the chain's order (`backing=` in SPEC): the daemon
+//!   is confined and opens nothing itself (docs/security.md).
 //! - `{"op":"remove","id":ID,"force":BOOL}`: stop serving a disk.
 //! - `{"op":"set","id":ID,"throttle":LIMITS,"group":NAME}`: a disk's QoS limits (QEMU's
 //!   `KEY=VALUE,...`, `none` for none; they replace the old ones) and its throttle group
@@ -45,8 +46,10 @@ use crate::throttle::Limits;
 pub const REQUEST_WAIT: Duration = Duration::from_millis(200);
 /// Longest request.
 const MAX_REQUEST: usize = 64 * 1024;
-/// Most descriptors one request carries.
-const MAX_FDS: usize = 4;
+/// Most descriptors one request carries: the socket, the image, its backing chain.
+const MAX_FDS: usize = 2 + MAX_BACKING;
+/// Most backing files a disk added live may have.
+const MAX_BACKING: usize = 32;
 
 /// The function behind a [`DiskParser`].
 pub type ParseDisk = dyn Fn(&str) -> Result<ServedDisk, String> + Send + Sync;
@@ -359,8 +362,14 @@ fn add(
         .next()
         .ok_or("add: the message carries no listening socket")?;
     let file = fds.next();
-    if fds.next().is_some() {
-        return Err("add: the message carries more than a socket and a file".into());
+    // Then the backing chain's files, in order.
+    let backing: Vec<File> = fds.collect();
+    if backing.len() > served.config.backing.len() {
+        return Err(format!(
+            "add: the message carries {} backing files for a chain of {}",
+            backing.len(),
+            served.config.backing.len()
+        ));
     }
     served.listen = Listen::Fd(std::os::fd::IntoRawFd::into_raw_fd(listener));
     let file_needed = matches!(served.config.disk, storage::DiskSpec::File(_));
@@ -372,7 +381,7 @@ fn add(
         });
     }
     let id = served.id.clone();
-    let mut opened = OpenedDisk::open(served, file).map_err(|e| e.to_string())?;
+    let mut opened = OpenedDisk::open_with(served, file, backing).map_err(|e| e.to_string())?;
     opened.adopt_socket(&socket);
     registry.start(opened).map_err(|e| e.to_string())?;
     Ok(id)

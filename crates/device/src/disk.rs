@@ -174,6 +174,16 @@ impl OpenedDisk {
         served: ServedDisk,
         file: Option<std::fs::File>,
     ) -> Result<OpenedDisk, Error> {
+        OpenedDisk::open_with(served, file, Vec::new())
+    }
+
+    /// [`OpenedDisk::open`], with the qcow2 image's backing files handed over open too,
+    /// in the chain's order (`vblk disk add`: the daemon is confined and opens nothing).
+    pub(crate) fn open_with(
+        served: ServedDisk,
+        file: Option<std::fs::File>,
+        backing_files: Vec<std::fs::File>,
+    ) -> Result<OpenedDisk, Error> {
         if let Err(e) = served.validate() {
             close_passed(&served.listen);
             return Err(e.into());
@@ -192,6 +202,7 @@ impl OpenedDisk {
             engine_threads: config.engine_threads,
             nbd: config.nbd,
             backing: config.backing.clone(),
+            backing_files: backing_files.into_iter().map(Arc::new).collect(),
             qcow2_cache: config.qcow2_cache,
         };
         let opened = match file {

@@ -29,7 +29,7 @@ use crate::sync_engine::SyncEngine;
 use crate::threads_engine::{ThreadsEngine, DEFAULT_ENGINE_THREADS, MAX_ENGINE_THREADS};
 use crate::uring_engine::UringEngine;
 
-pub(crate) use open::open_in_chain;
+pub(crate) use open::{handed_in_chain, open_in_chain};
 
 /// `BLKGETSIZE64`: the size of a block device in bytes (`_IOR(0x12, 114, size_t)`).
 const BLKGETSIZE64: libc::Ioctl = libc::_IOR::<u64>(0x12, 114);
@@ -91,6 +91,10 @@ pub struct OpenOptions {
     /// qcow2 images only: the backing chain below the image, in order (the image's
     /// backing file first). vblk opens no file an image names on its own.
     pub backing: Vec<crate::qcow2::BackingFile>,
+    /// qcow2 images only: `backing`'s files already open, in the same order (the first
+    /// ones; a file without one here is opened by its path). A confined daemon opens
+    /// nothing: `vblk disk add` opens the chain and hands it over.
+    pub backing_files: Vec<std::sync::Arc<File>>,
     /// qcow2 images only: the most bytes of L2 entries the metadata owner caches
     /// ([`crate::qcow2::DEFAULT_CACHE_BYTES`] by default, as QEMU's `l2-cache-size`; at
     /// least one slice of 4 KiB is kept).
@@ -111,6 +115,7 @@ impl Default for OpenOptions {
             engine_threads: DEFAULT_ENGINE_THREADS,
             nbd: NbdOptions::default(),
             backing: Vec::new(),
+            backing_files: Vec::new(),
             qcow2_cache: crate::qcow2::DEFAULT_CACHE_BYTES,
         }
     }

@@ -130,10 +130,9 @@ fn compressed_clusters_are_found() {
     assert!(matches!(run.mapping, Mapping::Compressed { .. }), "{run:?}");
 }
 
-#[test]
-fn metadata_pointing_at_metadata_is_refused() {
-    let dir = scratch();
-    let d = dir.path();
+/// x.qcow2 (64 MiB) in `d` with its first cluster written: its path, its bytes, its
+/// header, and where its L1 table and its first L2 table are.
+fn one_cluster_written(d: &Path) -> (std::path::PathBuf, Vec<u8>, Header, usize, usize) {
     run(d, "qemu-img", &["create", "-f", "qcow2", "x.qcow2", "64M"]);
     run(
         d,
@@ -146,6 +145,14 @@ fn metadata_pointing_at_metadata_is_refused() {
     let l1_at = h.l1_offset as usize;
     let l2_at = (u64::from_be_bytes(bytes[l1_at..l1_at + 8].try_into().unwrap())
         & 0x00ff_ffff_ffff_fe00) as usize;
+    (path, bytes, h, l1_at, l2_at)
+}
+
+#[test]
+fn metadata_pointing_at_metadata_is_refused() {
+    let dir = scratch();
+    let d = dir.path();
+    let (_, bytes, h, l1_at, l2_at) = one_cluster_written(d);
     let patch = |at: usize, value: u64| {
         let mut b = bytes.clone();
         b[at..at + 8].copy_from_slice(&value.to_be_bytes());
@@ -188,4 +195,26 @@ fn metadata_pointing_at_metadata_is_refused() {
             "want {want:?}: {e}"
         );
     }
+}
+
+/// One corrupt L2 entry fails its own cluster only: the slice's other clusters (here the
+/// one written before it) still map, in a slice and by lookup.
+#[test]
+fn a_corrupt_l2_entry_fails_its_cluster_alone() {
+    let dir = scratch();
+    let (path, mut bytes, h, _, l2_at) = one_cluster_written(dir.path());
+    // Guest cluster 3 mapped onto the refcount table.
+    let bad = (1u64 << 63) | h.reftable_offset;
+    bytes[l2_at + 24..l2_at + 32].copy_from_slice(&bad.to_be_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let (file, mut meta) = open(&path, 4);
+    let mut out = Vec::new();
+    meta.slice(&file, 0, &mut out).unwrap();
+    assert!(matches!(out[0], Ok(Mapping::Data { .. })), "{:?}", out[0]);
+    assert!(matches!(out[1], Ok(Mapping::Unallocated)), "{:?}", out[1]);
+    let e = out[3].as_ref().unwrap_err().to_string();
+    assert!(e.contains("it overlaps the refcount table"), "{e}");
+    assert!(meta.lookup(&file, 0, 4096).is_ok());
+    assert!(meta.lookup(&file, 4 * 65536, 4096).is_ok());
+    assert!(meta.lookup(&file, 3 * 65536, 4096).is_err());
 }

@@ -285,6 +285,11 @@ fn what_the_command_line_does_not_name_is_refused() {
     let lp = d.join("loop.qcow2");
     let e = refusal(&lp, &options(&[&lp, &lp], CacheMode::Writeback));
     assert!(e.contains("loop"), "{e}");
+    // Writable, the image's own write lock would refuse its second opening as a
+    // backing file first, naming this process as the other user: the loop is named.
+    let writable = common::qcow2_options(&[&lp], CacheMode::Writeback, false);
+    let e = refusal(&lp, &writable);
+    assert!(e.contains("loop") && !e.contains("holds"), "{e}");
     // A format the header does not record must be named: evil.qcow2 names base.raw,
     // and its backing format extension is made one QEMU ignores.
     tool(

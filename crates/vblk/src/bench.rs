@@ -139,6 +139,15 @@ pub struct BenchArgs {
     /// Host cache of the embedded device or the baseline: none (O_DIRECT), writeback.
     #[arg(long, value_name = "MODE", default_value = "writeback")]
     pub cache: String,
+    /// The embedded device's image format, as `vblk serve --format`: raw, or qcow2
+    /// (with --backing for its chain) [default: a raw file; one that looks like another
+    /// format is refused].
+    #[arg(long, value_name = "raw|qcow2", conflicts_with = "baseline")]
+    pub format: Option<String>,
+    /// qcow2 images: a backing file below the image, read-only; repeat it for each image
+    /// further down the chain, in order, as `vblk serve --backing`.
+    #[arg(long, value_name = "PATH[,format=F]", conflicts_with = "baseline")]
+    pub backing: Vec<storage::qcow2::BackingFile>,
     /// NBD disks: connections per embedded-device worker (or baseline job) when the server
     /// offers multi-conn.
     #[arg(long, value_name = "N", default_value_t = 1)]
@@ -377,10 +386,16 @@ impl TryFrom<&BenchArgs> for Plan {
             e.daemon.poll_us = a.poll_us;
             e.daemon.coalesce_us = a.coalesce_us;
             e.daemon.threads = a.threads;
+            let mut image = e.device.image;
+            if let Some(f) = &a.format {
+                image.format = Some(f.parse().map_err(|e: String| format!("--format: {e}"))?);
+            }
             e.device = device::DeviceConfig {
                 disk: a.disk.clone(),
                 engine,
                 cache,
+                image,
+                backing: a.backing.clone(),
                 engine_threads: a.engine_threads,
                 nbd: storage::nbd::NbdOptions {
                     conns: a.nbd_conns.clamp(1, 64),

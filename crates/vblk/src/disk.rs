@@ -353,9 +353,31 @@ pub fn add(control: &Path, spec: &str, group: Option<&str>) -> Result<String, Bo
             .map(str::to_string),
     };
     let access = SocketAccess { group };
+    // A qcow2 image's backing chain is opened here too, read-only, in order: the daemon
+    // opens nothing.
+    if args.backing.len() > 32 {
+        return Err(format!(
+            "{what}: a chain of {} backing files; 32 at most",
+            args.backing.len()
+        )
+        .into());
+    }
+    let backing: Vec<File> = args
+        .backing
+        .iter()
+        .map(|b| {
+            File::open(&b.path).map_err(|e| {
+                format!(
+                    "{what}: cannot open the backing file {}: {e}",
+                    b.path.display()
+                )
+            })
+        })
+        .collect::<Result<_, _>>()?;
     let (listener, file) = SocketFile::bind(&socket, &access)?;
     let mut fds = vec![listener.as_raw_fd()];
     fds.extend(image.as_ref().map(|f| f.as_raw_fd()));
+    fds.extend(backing.iter().map(|f| f.as_raw_fd()));
     let body = json!({"op": "add", "disk": spec, "socket": socket});
     // On an error the socket file is dropped here, and removed.
     let reply = request(control, &body, &fds, SLOW_REQUEST)?;

@@ -93,7 +93,8 @@ pub struct DaemonArgs {
     /// file (the disk, the sockets and the NBD connections are open already) and connect
     /// over TCP only to the NBD server's port. `off` for kernels whose Landlock gets in the
     /// way; without Landlock in the kernel the daemon says so and goes on.
-    #[arg(long, value_name = "on|off", default_value = "on", value_parser = parse_on_off)]
+    #[arg(long, value_name = "on|off", default_value = "on", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
     pub landlock: bool,
 
     /// Worker threads, shared by every disk: a disk's queue i is served by its worker
@@ -812,6 +813,30 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(disks[0].config.backing.len(), 2);
+    }
+
+    #[test]
+    fn landlock_takes_on_and_off() {
+        for (args, want) in [
+            (&["--landlock", "off"][..], false),
+            (&["--landlock=off"][..], false),
+            (&["--landlock", "on"][..], true),
+            (&[][..], true),
+        ] {
+            let mut argv = args.to_vec();
+            argv.extend(["--blk-file", "null:1G", "--socket-path", "/a.sock"]);
+            let (d, _) = plan_of(&argv).unwrap();
+            assert_eq!(d.sandbox.landlock, want, "{args:?}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disks.toml");
+        std::fs::write(
+            &path,
+            "landlock = \"off\"\n[[disk]]\nsocket = \"/a.sock\"\nfile = \"null:1G\"\n",
+        )
+        .unwrap();
+        let (d, _) = plan_of(&["--config", path.to_str().unwrap()]).unwrap();
+        assert!(!d.sandbox.landlock, "landlock = \"off\" in a config file");
     }
 
     #[test]

@@ -259,10 +259,10 @@ fn print_disk(v: &Value, uptime_ns: u64) {
         let cluster = u(&i["cluster_size"]);
         let allocated = u(&i["clusters_allocated"]);
         println!(
-            "image: qcow2 version {}, clusters of {} KiB, file {:.1} MiB, {}, backing chain: {}",
+            "image: qcow2 version {}, clusters of {}, file {}, {}, backing chain: {}",
             u(&i["version"]),
-            cluster / 1024,
-            u(&i["file_size"]) as f64 / (1u64 << 20) as f64,
+            crate::disk::size_text(cluster),
+            crate::disk::size_text(u(&i["file_size"])),
             if i["read_only"] == true {
                 "read-only"
             } else {

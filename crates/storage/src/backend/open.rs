@@ -66,42 +66,7 @@ impl Backend {
                 path: PathBuf::from(spec.to_string()),
             });
         };
-        let io_err = |op, source| Error::Io {
-            path: path.to_owned(),
-            op,
-            source,
-        };
-        // SAFETY: F_GETFL on a descriptor we own reads its status flags.
-        let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
-        if flags < 0 {
-            return Err(io_err("fcntl(F_GETFL)", io::Error::last_os_error()));
-        }
-        if !opts.read_only && flags & libc::O_ACCMODE != libc::O_RDWR {
-            return Err(Error::Open {
-                path: path.to_owned(),
-                source: io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    "the descriptor handed over is not open for reading and writing",
-                ),
-            });
-        }
-        let direct = opts.cache == CacheMode::None;
-        let want = if direct {
-            flags | libc::O_DIRECT
-        } else {
-            flags & !libc::O_DIRECT
-        };
-        // SAFETY: F_SETFL on a descriptor we own sets its status flags.
-        if want != flags && unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, want) } != 0 {
-            let source = io::Error::last_os_error();
-            return Err(if direct && source.raw_os_error() == Some(libc::EINVAL) {
-                Error::DirectUnsupported {
-                    path: path.to_owned(),
-                }
-            } else {
-                io_err("fcntl(F_SETFL)", source)
-            });
-        }
+        adopt_flags(path, &file, opts)?;
         from_file(path, file, opts, &mut Vec::new())
     }
 
@@ -136,6 +101,65 @@ fn check_sector_multiple(size: u64) -> Result<(), Error> {
         return Err(Error::UnalignedSize { size });
     }
     Ok(())
+}
+
+/// Make a descriptor handed over (opened by another process) what `opts` asks: open for
+/// writing if the disk is writable, O_DIRECT set or cleared as the cache mode says.
+fn adopt_flags(path: &Path, file: &File, opts: &OpenOptions) -> Result<(), Error> {
+    let io_err = |op, source| Error::Io {
+        path: path.to_owned(),
+        op,
+        source,
+    };
+    // SAFETY: F_GETFL on a descriptor we own reads its status flags.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io_err("fcntl(F_GETFL)", io::Error::last_os_error()));
+    }
+    if !opts.read_only && flags & libc::O_ACCMODE != libc::O_RDWR {
+        return Err(Error::Open {
+            path: path.to_owned(),
+            source: io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "the descriptor handed over is not open for reading and writing",
+            ),
+        });
+    }
+    let direct = opts.cache == CacheMode::None;
+    let want = if direct {
+        flags | libc::O_DIRECT
+    } else {
+        flags & !libc::O_DIRECT
+    };
+    // SAFETY: F_SETFL on a descriptor we own sets its status flags.
+    if want != flags && unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, want) } != 0 {
+        let source = io::Error::last_os_error();
+        return Err(if direct && source.raw_os_error() == Some(libc::EINVAL) {
+            Error::DirectUnsupported {
+                path: path.to_owned(),
+            }
+        } else {
+            io_err("fcntl(F_SETFL)", source)
+        });
+    }
+    Ok(())
+}
+
+/// A backing file handed over open (`OpenOptions::backing_files`), in a chain: as
+/// [`open_in_chain`] without opening anything.
+pub(crate) fn handed_in_chain(
+    path: &Path,
+    file: &File,
+    opts: &OpenOptions,
+    chain: &mut Vec<(u64, u64)>,
+) -> Result<Backend, Error> {
+    let file = file.try_clone().map_err(|source| Error::Io {
+        path: path.to_owned(),
+        op: "dup",
+        source,
+    })?;
+    adopt_flags(path, &file, opts)?;
+    from_file(path, file, opts, chain)
 }
 
 /// Open the file at `path`; `chain` holds the (device, inode) of the qcow2 images above
@@ -180,6 +204,14 @@ fn from_file(
         source,
     };
     let meta = file.metadata().map_err(|e| io_err("fstat", e))?;
+    // A loop is named as one before this file's locks are asked for: they would
+    // conflict with the locks the chain above already holds on it.
+    if chain.contains(&(
+        std::os::unix::fs::MetadataExt::dev(&meta),
+        std::os::unix::fs::MetadataExt::ino(&meta),
+    )) {
+        return Err(crate::qcow2::image::chain_loop(path));
+    }
     let ft = meta.file_type();
     let (kind, size) = if ft.is_file() {
         (BackendKind::File, meta.len())

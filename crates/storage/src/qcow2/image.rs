@@ -260,9 +260,7 @@ pub(crate) fn open(
     };
     let st = file.metadata().map_err(|e| fail(format!("fstat: {e}")))?;
     if chain.contains(&(st.dev(), st.ino())) {
-        return Err(fail(
-            "the backing chain comes back to this file: a loop (each --backing must be a different file)".into(),
-        ));
+        return Err(chain_loop(path));
     }
     chain.push((st.dev(), st.ino()));
     let reader = FileIo::new(file, align.0, align.1);
@@ -400,6 +398,19 @@ pub(crate) fn prepare_writing(
     l2_tables: impl Iterator<Item = u64>,
 ) -> Result<Refcounts, String> {
     header.check_writable()?;
+    // Bit 0: the bitmaps extension is consistent. Clearing it (as a QEMU that does not
+    // know bitmaps would) silently voids every incremental backup built on them.
+    let bitmaps = header
+        .other_extensions
+        .iter()
+        .filter(|(kind, _, _)| *kind == super::header::ext::BITMAPS)
+        .count();
+    if header.version >= 3 && header.autoclear & 1 != 0 && bitmaps > 0 {
+        return Err(
+            "it has persistent dirty bitmaps (`qemu-img info` lists them), which vblk does not keep up to date: writing would make them inconsistent, and incremental backups built on them with them; serve it --read-only, or remove them first (qemu-img bitmap --remove IMAGE NAME)"
+                .into(),
+        );
+    }
     let refs = Refcounts::open(io, header, file_size, l2_tables)?;
     if header.version >= 3 && header.autoclear != 0 {
         io.write_all_at(&0u64.to_be_bytes(), 88)
@@ -411,6 +422,14 @@ pub(crate) fn prepare_writing(
         );
     }
     Ok(refs)
+}
+
+/// A chain that comes back to a file already in it.
+pub(crate) fn chain_loop(path: &Path) -> Error {
+    Error::Qcow2 {
+        path: path.to_owned(),
+        why: "the backing chain comes back to this file: a loop (each --backing must be a different file)".into(),
+    }
 }
 
 /// The backing file the header names, opened from the first `--backing`.
@@ -450,7 +469,19 @@ fn open_backing(
         (Some(name), Some(b)) => (name, b),
     };
     let format = match (b.format, recorded.as_deref()) {
-        (Some(f), _) => f,
+        // The header's record wins where it is one vblk knows: format= is for images
+        // that record none (or one vblk does not know). A base read in the wrong format
+        // shows the guest another image's metadata as its data.
+        (Some(f), Some(r)) => match r.parse::<Format>() {
+            Ok(known) if known != f => {
+                return Err(fail(format!(
+                    "its header records the backing format {r}, and --backing {},format={f} says otherwise: leave format= out (it is for images whose header records none)",
+                    b.path.display()
+                )))
+            }
+            _ => f,
+        },
+        (Some(f), None) => f,
         (None, Some(f)) => f.parse::<Format>().map_err(|e| {
             fail(format!(
                 "its header records the backing format {e}; name it: --backing {},format=raw|qcow2",
@@ -472,8 +503,13 @@ fn open_backing(
         p => path.parent().unwrap_or(Path::new(".")).join(p),
     };
     let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
-    let given_id =
-        id(&b.path).ok_or_else(|| fail(format!("--backing {}: no such file", b.path.display())))?;
+    // A file handed over open is the one given (its path may not even be the client's).
+    let handed = opts.backing_files.first();
+    let given_id = match handed {
+        Some(f) => f.metadata().ok().map(|m| (m.dev(), m.ino())),
+        None => id(&b.path),
+    }
+    .ok_or_else(|| fail(format!("--backing {}: no such file", b.path.display())))?;
     if let Some(named_id) = id(&resolved) {
         if named_id != given_id {
             return Err(fail(format!(
@@ -488,6 +524,10 @@ fn open_backing(
     o.image.format = Some(format);
     o.image.incoming = false;
     o.backing = opts.backing[1..].to_vec();
-    let backing = crate::backend::open_in_chain(&b.path, &o, chain)?;
+    o.backing_files = opts.backing_files.iter().skip(1).cloned().collect();
+    let backing = match handed {
+        Some(f) => crate::backend::handed_in_chain(&b.path, f, &o, chain)?,
+        None => crate::backend::open_in_chain(&b.path, &o, chain)?,
+    };
     Ok((Some(Arc::new(backing)), Some(format)))
 }

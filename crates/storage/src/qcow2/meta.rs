@@ -244,9 +244,9 @@ impl Meta {
         };
         let slice_start = l2_index / SLICE_ENTRIES * SLICE_ENTRIES;
         let key = l1_index * per_table + slice_start;
-        let slot = self.slot(file, key, table + slice_start * 8, l1_index, slice_start)?;
+        let slot = self.slot(file, key, table + slice_start * 8, slice_start)?;
         let raw = self.slots[slot].raw[(l2_index - slice_start) as usize];
-        let mapping = self.decode(raw, l1_index * per_table + l2_index)?;
+        let mapping = self.checked(raw, l1_index * per_table + l2_index)?;
         let (host_offset, past_eof) = match mapping {
             Mapping::Data { host, .. } => (host + in_cluster, host + cluster > self.file_size),
             _ => (0, false),
@@ -356,13 +356,15 @@ impl Meta {
     }
 
     /// The checked mappings of slice `slice` (guest clusters `slice * slice_clusters()`
-    /// onwards; the last slice may reach past the virtual size) into `out`. Clusters
-    /// whose L2 table is absent are unallocated.
+    /// onwards; the last slice may reach past the virtual size) into `out`, each checked
+    /// on its own: a corrupt entry is an error for its cluster only. Clusters whose L2
+    /// table is absent are unallocated. An error of the slice's own (it cannot be read,
+    /// its L2 table is misplaced) fails all of it.
     pub fn slice(
         &mut self,
         file: &impl Source,
         slice: u64,
-        out: &mut Vec<Mapping>,
+        out: &mut Vec<Result<Mapping, MetaError>>,
     ) -> Result<(), MetaError> {
         out.clear();
         let n = self.slice_clusters();
@@ -379,27 +381,50 @@ impl Meta {
             });
         }
         let Some(Some(table)) = self.l1.get(l1_index as usize).copied() else {
-            out.resize(n as usize, Mapping::Unallocated);
+            out.extend((0..n).map(|_| Ok(Mapping::Unallocated)));
             return Ok(());
         };
         let key = l1_index * per_table + slice_start;
-        let slot = self.slot(file, key, table + slice_start * 8, l1_index, slice_start)?;
+        let slot = self.slot(file, key, table + slice_start * 8, slice_start)?;
         for k in 0..n {
             let raw = self.slots[slot].raw[k as usize];
-            out.push(self.decode(raw, key + k)?);
+            out.push(self.checked(raw, key + k));
         }
         Ok(())
     }
 
-    /// A cached entry as a mapping (it was checked when its slice was loaded, or made
-    /// by the writer).
-    fn decode(&self, raw: u64, index: u64) -> Result<Mapping, MetaError> {
+    /// A cached entry as a mapping, checked: its bits (entry.rs), and that a data
+    /// cluster lies on no metadata and compressed data starts inside the file. An
+    /// entry the writer made passes; one read from a corrupt image fails here, for its
+    /// own cluster only.
+    fn checked(&self, raw: u64, index: u64) -> Result<Mapping, MetaError> {
         let (bits, version) = (self.header.cluster_bits, self.header.version);
-        entry::l2(raw, bits, version).map_err(|error| MetaError::Entry {
+        let m = entry::l2(raw, bits, version).map_err(|error| MetaError::Entry {
             table: "L2",
             index,
             error,
-        })
+        })?;
+        match m {
+            Mapping::Data { host, .. } | Mapping::Zero { host: Some(host) } => {
+                check_placement(
+                    &self.reserved,
+                    "a data cluster",
+                    host,
+                    self.header.cluster_size(),
+                )?;
+            }
+            // Compressed data may end past the end of the file (the reader reads what is
+            // there, as QEMU does); it must start inside it.
+            Mapping::Compressed { host, .. } if host >= self.file_size => {
+                return Err(MetaError::Placement {
+                    what: "a compressed cluster",
+                    offset: host,
+                    why: "past the end of the file",
+                });
+            }
+            _ => {}
+        }
+        Ok(m)
     }
 
     /// The cache slot holding slice `key`, read from `at` if it is not resident (into a
@@ -409,7 +434,6 @@ impl Meta {
         file: &impl Source,
         key: u64,
         at: u64,
-        l1_index: u64,
         slice_start: u64,
     ) -> Result<usize, MetaError> {
         if let Some(&i) = self.index.get(&key) {
@@ -420,32 +444,10 @@ impl Meta {
         let n = (self.header.l2_entries() - slice_start).min(SLICE_ENTRIES) as usize;
         file.read_exact_at(&mut self.buf[..n * 8], at)?;
         self.loads += 1;
-        let cluster = self.header.cluster_size();
-        let (bits, version) = (self.header.cluster_bits, self.header.version);
+        // Entries are checked one by one as they are used (`checked`): one bad entry
+        // makes its own cluster fail, not the slice's other clusters.
         for (k, e) in self.buf[..n * 8].chunks_exact(8).enumerate() {
-            let e = u64::from_be_bytes(e.try_into().unwrap_or([0; 8]));
-            let index = l1_index * (cluster / 8) + slice_start + k as u64;
-            let m = entry::l2(e, bits, version).map_err(|error| MetaError::Entry {
-                table: "L2",
-                index,
-                error,
-            })?;
-            match m {
-                Mapping::Data { host, .. } | Mapping::Zero { host: Some(host) } => {
-                    check_placement(&self.reserved, "a data cluster", host, cluster)?;
-                }
-                // Compressed data may end past the end of the file (the reader reads
-                // what is there, as QEMU does); it must start inside it.
-                Mapping::Compressed { host, .. } if host >= self.file_size => {
-                    return Err(MetaError::Placement {
-                        what: "a compressed cluster",
-                        offset: host,
-                        why: "past the end of the file",
-                    });
-                }
-                _ => {}
-            }
-            self.spare[k] = e;
+            self.spare[k] = u64::from_be_bytes(e.try_into().unwrap_or([0; 8]));
         }
         Ok(self.install(key))
     }

@@ -155,7 +155,7 @@ pub(crate) struct Owner {
     /// A slice's entries on their way into the table (kept for its capacity).
     pub(crate) entries: Vec<Entry>,
     /// A slice's mappings, as the metadata gives them (kept for its capacity).
-    pub(crate) mappings: Vec<Mapping>,
+    pub(crate) mappings: Vec<Result<Mapping, MetaError>>,
     /// What the owner did, for `vblk stats`.
     pub(crate) counters: Arc<Counters>,
     /// The batch's answers, posted once its mappings are in the file.
@@ -404,7 +404,23 @@ impl Owner {
                 // cluster is written in place only if the writer agrees it may be.
                 let mut out = std::mem::take(&mut self.entries);
                 out.clear();
-                out.extend(entries.iter().map(|&m| Entry::of(m, cluster, file_size)));
+                for m in entries {
+                    out.push(match m {
+                        Ok(m) => Entry::of(*m, cluster, file_size),
+                        // The image is corrupt here: this cluster's reads and writes fail
+                        // with EIO from now on; the slice's other clusters are served.
+                        Err(e) => {
+                            if !*logged {
+                                log::error!(
+                                    "{}: the image is corrupt ({e}); the guest cluster it maps fails with EIO (`qemu-img check` tells more)",
+                                    self.name
+                                );
+                                *logged = true;
+                            }
+                            Entry::Corrupt
+                        }
+                    });
+                }
                 if self.inactive {
                     // Read in place, written by no one (qcow2/handoff.rs).
                     for e in out.iter_mut() {

@@ -44,7 +44,10 @@ use crate::engine::{Engine, Op};
 
 /// How many bytes of clusters are counted at once, ahead of their use, at first: a
 /// batch taken within a second of the one before is twice as large, up to
-/// [`MAX_BATCH_BYTES`] (each costs an `fdatasync`); between 16 and 65,536 clusters.
+/// [`MAX_BATCH_BYTES`] or a sixteenth of the disk's size if that is less (but not below
+/// the first size): each batch costs an `fdatasync`, and a crash leaks what the last
+/// one had not handed out yet, which must not be the size of a small disk. Between 16
+/// and 65,536 clusters.
 const BATCH_BYTES: u64 = 8 << 20;
 const MAX_BATCH_BYTES: u64 = 256 << 20;
 
@@ -472,12 +475,11 @@ impl Owner {
     /// Count a new batch of clusters at the end of the file; the first of them.
     fn take_batch(&mut self, src: &FileIo<'_>) -> io::Result<u64> {
         let bits = self.cluster_bits();
+        let most = (self.meta.header().size / 16).clamp(BATCH_BYTES, MAX_BATCH_BYTES);
         let w = self.writer.as_mut().ok_or_else(eio)?;
         // Allocating fast: larger batches, fewer syncs. Idle a while: small again.
         w.batch_bytes = match w.last_batch {
-            Some(t) if t.elapsed() < Duration::from_secs(1) => {
-                (w.batch_bytes * 2).min(MAX_BATCH_BYTES)
-            }
+            Some(t) if t.elapsed() < Duration::from_secs(1) => (w.batch_bytes * 2).min(most),
             _ => BATCH_BYTES,
         };
         w.last_batch = Some(Instant::now());
