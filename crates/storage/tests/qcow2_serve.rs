@@ -228,7 +228,12 @@ fn what_the_command_line_does_not_name_is_refused() {
     assert!(e.contains("mid.qcow2") && e.contains("\"base.raw\""), "{e}");
     // One too many.
     let e = refusal(&top, &options(&[&mid, &base, &base], CacheMode::Writeback));
-    assert!(e.contains("base.raw") && e.contains("qcow2 images"), "{e}");
+    assert!(
+        e.contains("base.raw")
+            && e.contains("the chain ends here, at a raw file")
+            && e.contains("one too many"),
+        "{e}"
+    );
     // A different file than the header names.
     let other = d.join("other.raw");
     fs::copy(&base, &other).unwrap();

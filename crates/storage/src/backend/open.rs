@@ -335,12 +335,20 @@ fn from_file(
     };
     if opts.image.format != Some(Format::Qcow2) {
         if let Some(b) = opts.backing.first() {
+            let why = if chain.is_empty() {
+                format!(
+                    "--backing {} is for qcow2 images (--format qcow2, and one per image in the chain); this one is served raw",
+                    b.path.display()
+                )
+            } else {
+                format!(
+                    "the chain ends here, at a raw file, which has no backing file: --backing {} is one too many",
+                    b.path.display()
+                )
+            };
             return Err(Error::Qcow2 {
                 path: path.to_owned(),
-                why: format!(
-                    "--backing {} is for qcow2 images (and one per image in the chain); this one is served raw",
-                    b.path.display()
-                ),
+                why,
             });
         }
         return Ok(backend);
