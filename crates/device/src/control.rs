@@ -380,6 +380,18 @@ fn add(
             "add: this disk takes no file".into()
         });
     }
+    // The same image as a disk served already: its locks would refuse it, naming only
+    // "another process" (this one, which its sandbox keeps from looking at /proc).
+    if let Some(f) = &file {
+        use std::os::unix::fs::MetadataExt;
+        if let Some(other) = f
+            .metadata()
+            .ok()
+            .and_then(|m| registry.serving_file((m.dev(), m.ino())))
+        {
+            return Err(format!("disk {other:?} serves this image already"));
+        }
+    }
     let id = served.id.clone();
     let mut opened = OpenedDisk::open_with(served, file, backing).map_err(|e| e.to_string())?;
     opened.adopt_socket(&socket);

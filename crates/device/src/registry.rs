@@ -221,6 +221,23 @@ impl Registry {
         Value::Array(groups)
     }
 
+    /// The disk that serves the file of (device, inode) `id`, if one does.
+    pub(crate) fn serving_file(&self, id: (u64, u64)) -> Option<String> {
+        use std::os::unix::fs::MetadataExt;
+        let inner = self.lock();
+        inner
+            .disks
+            .iter()
+            .find(|d| {
+                d.shared
+                    .disk
+                    .path()
+                    .and_then(|p| std::fs::metadata(p).ok())
+                    .is_some_and(|m| (m.dev(), m.ino()) == id)
+            })
+            .map(|d| d.shared.id.clone())
+    }
+
     /// Whether a disk named `id` is served.
     pub(crate) fn contains(&self, id: &str) -> bool {
         self.lock().disks.iter().any(|d| d.shared.id == id)

@@ -395,7 +395,13 @@ pub(crate) fn holders(file: &File, byte: u64) -> Vec<String> {
             let info = fs::read_to_string(proc_entry.path().join("fdinfo").join(&name))
                 .unwrap_or_default();
             if info.lines().any(|l| lock_line_covers(l, byte)) {
-                found.push(format!("{} (pid {pid})", process_name(pid)));
+                found.push(if pid == me {
+                    format!(
+                        "this process (pid {pid}), which has it open already (as another disk, or twice in one backing chain),"
+                    )
+                } else {
+                    format!("{} (pid {pid})", process_name(pid))
+                });
                 break;
             }
         }
@@ -586,8 +592,11 @@ mod tests {
         match lock_image(&second, Access::vblk(true)) {
             Err(LockError::Conflict { conflict, holders }) => {
                 assert_eq!(conflict, Conflict::Held(Perm::Write));
-                let me = format!("(pid {})", std::process::id());
-                assert!(holders.iter().any(|h| h.ends_with(&me)), "{holders:?}");
+                let me = format!(
+                    "this process (pid {}), which has it open already",
+                    std::process::id()
+                );
+                assert!(holders.iter().any(|h| h.starts_with(&me)), "{holders:?}");
             }
             other => panic!("expected a conflict, got {other:?}"),
         }

@@ -140,6 +140,21 @@ fn disks_come_and_go_while_the_daemon_runs() {
             "disk c shows the daemon's uptime ({up} s, the daemon's {daemon_up} s): {text}"
         );
         assert!(text.contains("(16.0 MiB)"), "{text}");
+        // The same image again, as another disk: refused, naming the disk that has it.
+        let (bad, why) = vblk(&[
+            "disk",
+            "add",
+            s(&ctl),
+            &format!(
+                "socket={},file={},format=raw",
+                s(&later.path().join("again.sock")),
+                s(&img)
+            ),
+        ]);
+        assert!(
+            !bad && why.contains("disk \"c\" serves this image already"),
+            "{why}"
+        );
         let disk = Disk::attach(&c, &DiskOptions::default()).unwrap();
         assert_eq!(disk.capacity_bytes(), 16 * MIB);
         let mut q = disk.take_queue(0).unwrap();
