@@ -256,6 +256,59 @@ fn a_backing_file_the_command_line_does_not_name_is_not_opened() {
     );
 }
 
+/// `vblk info --disk` shows an image's format, size, allocation (as `qemu-img check`
+/// counts it) and backing file; with --backing, the chain vblk would serve.
+#[test]
+fn info_shows_the_format_the_allocation_and_the_chain() {
+    let dir = temp_dir("qcow2-info");
+    let d = dir.path();
+    images(d);
+    let info = |extra: &[&str]| -> Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_vblk"))
+            .args([
+                "info",
+                "--json",
+                "--disk",
+                d.join("top.qcow2").to_str().unwrap(),
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let v = info(&[]);
+    assert_eq!(v["format"], "qcow2");
+    assert_eq!(v["virtual_size"], 32 << 20);
+    assert_eq!(v["backing_file"], "base.raw");
+    assert_eq!(v["backing_format"], "raw");
+    // qemu-img check: "N/M = P% allocated".
+    let (_, text) = qemu_img_check(d, "top.qcow2");
+    let counts = text
+        .lines()
+        .find_map(|l| l.split_once(" = ").map(|(c, _)| c.to_owned()))
+        .and_then(|c| {
+            let (n, m) = c.split_once('/')?;
+            Some((n.trim().parse::<u64>().ok()?, m.trim().parse::<u64>().ok()?))
+        })
+        .unwrap_or_else(|| panic!("no allocation in qemu-img check's output: {text}"));
+    let c = &v["clusters"];
+    let used = c["data"].as_u64().unwrap() + c["compressed"].as_u64().unwrap();
+    assert_eq!((used, c["total"].as_u64().unwrap()), counts, "{v}");
+    assert!(
+        c["zero"].as_u64().unwrap() > 0,
+        "the 1 MiB written as zeroes: {v}"
+    );
+    let base = d.join("base.raw");
+    let v = info(&["--backing", base.to_str().unwrap()]);
+    assert_eq!(v["backing_chain"][0]["format"], "raw", "{v}");
+    assert_eq!(v["backing_chain"][0]["virtual_size"], 16 << 20, "{v}");
+}
+
 /// `vblk disk add` of a qcow2 over a backing file, to a confined daemon (Landlock: it
 /// can open no file): the client opens the chain and hands it over with the image, and
 /// the disk reads as QEMU reads the chain. (The daemon opened the backing file itself,

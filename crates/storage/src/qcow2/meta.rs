@@ -1,7 +1,7 @@
 //! An image's mapping metadata: the L1 table loaded whole at open (QEMU keeps it in
 //! memory too; at most 32 MiB), and L2 tables read in 4 KiB slices (512 entries) into a
-//! bounded cache, every entry checked when its slice is loaded and kept as the file's
-//! 8-byte entry (4 KiB a slice, as QEMU's cache: a 64 GiB image with 64 KiB clusters
+//! bounded cache, every entry kept as the file's 8-byte entry and checked as it is used
+//! (a corrupt one fails its own cluster) (4 KiB a slice, as QEMU's cache: a 64 GiB image with 64 KiB clusters
 //! needs 8 MiB to be held whole). The cache is found through a hash index and evicts with
 //! the clock algorithm, so neither a lookup nor a miss scans it. A lookup answers where a
 //! guest range's bytes are, as runs of one [`Mapping`] kind, never longer than the rest
@@ -480,6 +480,50 @@ impl Meta {
         s.referenced = true;
         self.index.insert(key, victim);
         victim
+    }
+}
+
+/// How an image's clusters are mapped, counted over its L2 tables (`vblk info`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Allocation {
+    /// Guest clusters: the virtual size in clusters.
+    pub clusters: u64,
+    /// Mapped to data in the image file.
+    pub data: u64,
+    /// Reading as zeroes by their entry (with or without a cluster kept for them).
+    pub zero: u64,
+    /// Compressed.
+    pub compressed: u64,
+    /// Whose entries are corrupt.
+    pub corrupt: u64,
+}
+
+impl Meta {
+    /// Count how every guest cluster is mapped: one pass over the L2 tables, through the
+    /// cache. Clusters not counted are unallocated (the backing file's, or zeroes).
+    pub fn allocation(&mut self, file: &impl Source) -> Result<Allocation, MetaError> {
+        let cluster = self.header.cluster_size();
+        let clusters = self.header.size.div_ceil(cluster);
+        let per_slice = self.slice_clusters();
+        let mut a = Allocation {
+            clusters,
+            ..Allocation::default()
+        };
+        let mut out = Vec::new();
+        for slice in 0..clusters.div_ceil(per_slice) {
+            self.slice(file, slice, &mut out)?;
+            let left = clusters - slice * per_slice;
+            for m in out.iter().take(left.min(per_slice) as usize) {
+                match m {
+                    Ok(Mapping::Data { .. }) => a.data += 1,
+                    Ok(Mapping::Zero { .. }) => a.zero += 1,
+                    Ok(Mapping::Compressed { .. }) => a.compressed += 1,
+                    Ok(Mapping::Unallocated) => {}
+                    Err(_) => a.corrupt += 1,
+                }
+            }
+        }
+        Ok(a)
     }
 }
 
