@@ -221,17 +221,27 @@ fn answer_apart(
         );
         return;
     }
-    let (registry, parser, count) = (registry.clone(), parser.cloned(), answering.clone());
+    // Counted out however the thread ends (a panic too) or if it never starts.
+    let slot = Answering(answering.clone());
+    let (registry, parser) = (registry.clone(), parser.cloned());
     let spawned = std::thread::Builder::new()
         .name("vblk-control-request".into())
         .spawn(move || {
+            let _slot = slot;
             answer(s, &registry, parser.as_ref());
-            count.fetch_sub(1, Ordering::AcqRel);
         });
     if let Err(e) = spawned {
         // The connection went with the closure: the client reads no answer.
-        answering.fetch_sub(1, Ordering::AcqRel);
         log::warn!("control socket: cannot start a thread to answer a request: {e}");
+    }
+}
+
+/// One request being answered: counted out when dropped.
+struct Answering(Arc<AtomicUsize>);
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
