@@ -362,6 +362,7 @@ fn add(
         .ok_or("add: no socket path (\"socket\")")?;
     let mut served = (parser.0)(spec)?;
     served.spec = spec.to_string();
+    registry.check_reachable(&served.config.disk)?;
     // Before anything is adopted: the socket the client bound stays the client's to
     // remove. (`start` checks again, under the registry's lock.)
     if registry.contains(&served.id) {

@@ -210,10 +210,13 @@ pub fn serve_files(
             source,
         })?,
     );
+    let confined = daemon.sandbox.seccomp != crate::sandbox::SeccompMode::Off
+        || daemon.sandbox.landlock;
     let registry = Arc::new(Registry::new(
         pool,
         controls.clone(),
         daemon.socket_access.clone(),
+        confined.then(|| needs.tcp_ports.clone()),
     ));
     for (name, limits) in &daemon.throttle_groups {
         registry

@@ -23,6 +23,8 @@ pub(crate) struct Registry {
     started: std::time::Instant,
     /// Who may connect to the daemon's sockets: the default for disks added later.
     socket_access: crate::socket_file::SocketAccess,
+    /// The TCP ports the sandbox lets the daemon connect to (None: it is not confined).
+    tcp_ports: Option<Vec<u16>>,
 }
 
 struct Inner {
@@ -77,6 +79,7 @@ impl Registry {
         pool: Arc<Pool>,
         daemon: Arc<Controls>,
         socket_access: crate::socket_file::SocketAccess,
+        tcp_ports: Option<Vec<u16>>,
     ) -> Registry {
         Registry {
             pool,
@@ -89,7 +92,32 @@ impl Registry {
             }),
             started: std::time::Instant::now(),
             socket_access,
+            tcp_ports,
         }
+    }
+
+    /// Refuse a disk the sandbox would not let the daemon reach: an NBD server over TCP
+    /// on a port it was not started with. (Connecting anyway makes a system call the
+    /// seccomp filter kills the daemon for, with every disk, or one Landlock refuses.)
+    pub(crate) fn check_reachable(&self, disk: &storage::DiskSpec) -> Result<(), String> {
+        let storage::DiskSpec::Nbd(nbd) = disk else {
+            return Ok(());
+        };
+        let (Some(port), Some(allowed)) = (nbd.tcp_port(), &self.tcp_ports) else {
+            return Ok(());
+        };
+        if allowed.contains(&port) {
+            return Ok(());
+        }
+        let ports: Vec<String> = allowed.iter().map(u16::to_string).collect();
+        Err(format!(
+            "{disk}: this daemon's sandbox lets it connect over TCP only to the ports it knew at its start ({}); restart it with --nbd-ports {port} (or nbd-ports = [{port}] in its config file) to add NBD disks on port {port}",
+            if ports.is_empty() {
+                "none".to_string()
+            } else {
+                ports.join(", ")
+            }
+        ))
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {

@@ -191,8 +191,23 @@ pub fn request(
     s.send_with_fds(&[line.as_bytes()], fds)
         .map_err(|e| format!("cannot send to {}: {e}", control.display()))?;
     let mut buf = String::new();
-    s.read_to_string(&mut buf)
-        .map_err(|e| format!("no answer from {}: {e}", control.display()))?;
+    s.read_to_string(&mut buf).map_err(|e| {
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) {
+            format!("no answer from {} within {timeout:?}", control.display())
+        } else {
+            format!("no answer from {}: {e}", control.display())
+        }
+    })?;
+    if buf.trim().is_empty() {
+        return Err(format!(
+            "{}: the daemon closed the connection without an answer (did it exit? its log says why)",
+            control.display()
+        )
+        .into());
+    }
     let v: Value = serde_json::from_str(&buf).map_err(|e| {
         format!(
             "{}: not a vblk control socket, or a daemon too old for `vblk disk` ({e})",

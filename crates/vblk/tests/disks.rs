@@ -201,6 +201,19 @@ fn disks_come_and_go_while_the_daemon_runs() {
             "{why}"
         );
         assert!(!c.exists(), "the refused disk's socket is gone");
+        // An NBD server on a TCP port the sandbox was not opened for: refused, naming
+        // --nbd-ports (connecting anyway was a system call seccomp killed the daemon for).
+        let (bad, why) = vblk(&[
+            "disk",
+            "add",
+            s(&ctl),
+            &format!("socket={},file=nbd://127.0.0.1:10999/", s(&c)),
+        ]);
+        assert!(
+            !bad && why.contains("--nbd-ports 10999") && why.contains("sandbox"),
+            "{why}"
+        );
+        assert!(ok(&["disk", "list", s(&ctl)]).contains("second "), "the daemon lives");
         // Settings given twice are refused, not the last one taken.
         let (bad, why) = vblk(&[
             "disk",
