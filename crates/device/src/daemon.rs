@@ -210,8 +210,8 @@ pub fn serve_files(
             source,
         })?,
     );
-    let confined = daemon.sandbox.seccomp != crate::sandbox::SeccompMode::Off
-        || daemon.sandbox.landlock;
+    let confined =
+        daemon.sandbox.seccomp != crate::sandbox::SeccompMode::Off || daemon.sandbox.landlock;
     let registry = Arc::new(Registry::new(
         pool,
         controls.clone(),

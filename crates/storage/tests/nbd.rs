@@ -735,6 +735,87 @@ fn silent_server_is_found_by_the_timeout() {
     }
 }
 
+/// A server that is slow but alive: it holds the first write for 3 s, past the timeout,
+/// then carries it out. Replaying the write on a new connection and going on let the late
+/// write land over newer acknowledged ones (found by checking as a user). Now the write
+/// fails with EIO, and so does every later write, write-zeroes and flush of the disk, on
+/// every engine; reads go on.
+#[test]
+fn a_write_the_server_may_still_apply_fences_the_disks_writes() {
+    let dir = scratch();
+    let d = dir.path();
+    let img = d.join("disk.img");
+    std::fs::write(&img, vec![0u8; MIB]).unwrap();
+    let script = d.join("slow.sh");
+    std::fs::write(
+        &script,
+        format!(
+            r#"#!/bin/sh
+F={img}
+case "$1" in
+  open) echo h ;;
+  get_size) echo {MIB} ;;
+  can_write|can_flush) exit 0 ;;
+  can_trim|can_zero|can_multi_conn) exit 3 ;;
+  can_fua) echo none ;;
+  thread_model) echo parallel ;;
+  pread) dd if=$F iflag=skip_bytes,count_bytes skip=$4 count=$3 bs=64k 2>/dev/null ;;
+  pwrite)
+    t=$(mktemp)
+    cat > $t
+    if [ ! -e $F.slowed ]; then touch $F.slowed; sleep 3; fi
+    dd if=$t of=$F oflag=seek_bytes conv=notrunc seek=$4 bs=64k 2>/dev/null
+    rm -f $t ;;
+  flush) exit 0 ;;
+  *) exit 2 ;;
+esac
+"#,
+            img = img.display()
+        ),
+    )
+    .unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let s = Server::nbdkit(d, &["sh", script.to_str().unwrap()]);
+    let b = open_with(&s.uri(""), &opts(false, 1, 10)).unwrap();
+    let mut e = engine(&b, 8);
+    let eio = |r: std::io::Result<u64>, what: &str| {
+        let err = r.map(|_| ()).expect_err(what);
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{what}: {err}");
+    };
+    eio(
+        write(&mut *e, 0, &[0xaa; BLOCK], &[BLOCK], 0, false),
+        "the write the server held past the timeout",
+    );
+    eio(
+        write(&mut *e, 0, &[0xbb; BLOCK], &[BLOCK], 0, false),
+        "a later write",
+    );
+    // SAFETY: a flush lends no buffer.
+    eio(unsafe { common::run1(&mut *e, Op::Flush) }, "a flush");
+    let zeroes = Op::WriteZeroes {
+        offset: 0,
+        len: BLOCK as u64,
+        unmap: false,
+        durable: false,
+    };
+    // SAFETY: a write of zeroes lends no buffer.
+    let zeroed = unsafe { common::run1(&mut *e, zeroes) };
+    eio(zeroed, "a write of zeroes");
+    read(&mut *e, 0, &[BLOCK], 0).expect("reads go on");
+    // The disk's next engine (a new session) is fenced too (one writer: this server
+    // offers no multi-conn).
+    drop(e);
+    let mut e = engine(&b, 8);
+    eio(
+        write(&mut *e, BLOCK as u64, &[0xcc; BLOCK], &[BLOCK], 0, false),
+        "a write on the disk's next engine",
+    );
+    read(&mut *e, 0, &[BLOCK], 0).expect("reads go on");
+}
+
 #[test]
 fn server_that_never_comes_back_fails_with_eio() {
     let dir = scratch();

@@ -213,7 +213,10 @@ fn disks_come_and_go_while_the_daemon_runs() {
             !bad && why.contains("--nbd-ports 10999") && why.contains("sandbox"),
             "{why}"
         );
-        assert!(ok(&["disk", "list", s(&ctl)]).contains("second "), "the daemon lives");
+        assert!(
+            ok(&["disk", "list", s(&ctl)]).contains("second "),
+            "the daemon lives"
+        );
         // Settings given twice are refused, not the last one taken.
         let (bad, why) = vblk(&[
             "disk",

@@ -50,7 +50,40 @@ enum Rx {
 }
 
 /// Why a connection is given up (logged; its operations are replayed elsewhere).
-pub(crate) type Broken = String;
+#[derive(Debug)]
+pub(crate) struct Broken {
+    pub why: String,
+    /// The server ended the connection (it closed or reset it, or said it shuts down):
+    /// nothing sent on it is applied later. Otherwise vblk gives it up (a protocol
+    /// violation, a local error) and the server may still be working on what it got.
+    pub server_ended: bool,
+}
+
+impl From<String> for Broken {
+    /// Given up by vblk.
+    fn from(why: String) -> Broken {
+        Broken {
+            why,
+            server_ended: false,
+        }
+    }
+}
+
+/// The server ended the connection: `why`.
+fn ended(why: String) -> Broken {
+    Broken {
+        why,
+        server_ended: true,
+    }
+}
+
+/// Whether `errno` from a send or receive means the peer closed or reset the connection.
+fn peer_gone(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EPIPE | libc::ECONNRESET | libc::ENOTCONN)
+    )
+}
 
 /// A connection's state.
 pub(crate) struct Conn {
@@ -162,7 +195,8 @@ impl Conn {
                 match e.raw_os_error() {
                     Some(libc::EINTR) => continue,
                     Some(libc::EAGAIN) => return Ok(false),
-                    _ => return Err(format!("send failed: {e}")),
+                    _ if peer_gone(&e) => return Err(ended(format!("send failed: {e}"))),
+                    _ => return Err(format!("send failed: {e}").into()),
                 }
             }
             let n = n as u64;
@@ -312,7 +346,8 @@ impl Conn {
                         // Cannot happen: only this connection's replies change the slot.
                         return Err(format!(
                             "internal error: slot {slot} changed under a reply's payload"
-                        ));
+                        )
+                        .into());
                     }
                     let base = s.piece(piece).0;
                     let avail = self.rtail - self.rhead;
@@ -418,7 +453,7 @@ impl Conn {
         }
         self.waiting = self.waiting.saturating_sub(1);
         if r.error == wire::NBD_ESHUTDOWN {
-            return Err("the server is shutting down (ESHUTDOWN)".into());
+            return Err(ended("the server is shutting down (ESHUTDOWN)".into()));
         }
         if r.error != 0 {
             if s.error == 0 {
@@ -458,12 +493,13 @@ fn received(n: isize) -> Result<Option<usize>, Broken> {
         return Ok(Some(n as usize));
     }
     if n == 0 {
-        return Err("the server closed the connection".into());
+        return Err(ended("the server closed the connection".into()));
     }
     let e = io::Error::last_os_error();
     match e.raw_os_error() {
         Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(None),
-        _ => Err(format!("receive failed: {e}")),
+        _ if peer_gone(&e) => Err(ended(format!("receive failed: {e}"))),
+        _ => Err(format!("receive failed: {e}").into()),
     }
 }
 

@@ -88,7 +88,7 @@ impl NbdEngine {
                     timeout.as_secs_f64(),
                     conn.waiting
                 );
-                self.broke(c, why, now);
+                self.broke(c, why.into(), now);
             } else if let Some(since) = conn
                 .send_since
                 .filter(|&t| now.duration_since(t) >= timeout)
@@ -99,7 +99,7 @@ impl NbdEngine {
                     now.duration_since(since).as_secs_f64(),
                     timeout.as_secs_f64()
                 );
-                self.broke(c, why, now);
+                self.broke(c, why.into(), now);
             }
         }
         if self.due.is_some_and(|d| now >= d) {
@@ -160,7 +160,7 @@ impl NbdEngine {
                 s.pieces,
                 f64::from(o.age) / 1000.0,
             );
-            self.broke(c, why, now);
+            self.broke(c, why.into(), now);
         }
     }
 }

@@ -23,6 +23,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -217,6 +218,9 @@ impl NbdEngine {
                 if write && ex.read_only {
                     return Some(Err(errno(libc::EROFS)));
                 }
+                if write && ex.writes_fenced.load(Ordering::Relaxed) {
+                    return Some(Err(errno(libc::EIO)));
+                }
                 // SAFETY: the push contract keeps the iovec array valid.
                 let total = match unsafe { iov_slice(iov, iovcnt) }.and_then(iov_total) {
                     Ok(t) => t,
@@ -251,6 +255,11 @@ impl NbdEngine {
                 if ex.read_only || !ex.has(FLAG_SEND_FLUSH) {
                     return Some(Ok(0));
                 }
+                // Nothing written since the fence can be made durable, and what was
+                // written before it may yet be overwritten by the server.
+                if ex.writes_fenced.load(Ordering::Relaxed) {
+                    return Some(Err(errno(libc::EIO)));
+                }
                 s.cmd = CMD_FLUSH;
                 s.single();
                 self.dirty = false;
@@ -258,6 +267,9 @@ impl NbdEngine {
             Op::Discard { offset, len, .. } | Op::WriteZeroes { offset, len, .. } => {
                 if ex.read_only {
                     return Some(Err(errno(libc::EROFS)));
+                }
+                if ex.writes_fenced.load(Ordering::Relaxed) {
+                    return Some(Err(errno(libc::EIO)));
                 }
                 if let Err(e) = check_range(offset, len, size) {
                     return Some(Err(e));
@@ -387,7 +399,7 @@ impl NbdEngine {
                     if let Err(e) =
                         epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, fd, events, c as u64)
                     {
-                        self.broke(c, format!("epoll_ctl: {e}"), now);
+                        self.broke(c, format!("epoll_ctl: {e}").into(), now);
                         return;
                     }
                 }

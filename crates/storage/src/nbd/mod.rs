@@ -242,6 +242,10 @@ pub(crate) struct Export {
     pub max_payload: u32,
     /// Writable engines alive (a server without multi-conn gets one).
     writers: AtomicUsize,
+    /// Writes fail from now on (reconnect.rs, "a break that vblk made"): a connection was
+    /// given up with writes sent and unanswered, which the server may still apply, after
+    /// newer ones. Shared by every engine of the disk; lifted only by opening it again.
+    pub(crate) writes_fenced: std::sync::atomic::AtomicBool,
 }
 
 impl Export {
@@ -283,6 +287,7 @@ impl Export {
             block,
             max_payload,
             writers: AtomicUsize::new(0),
+            writes_fenced: std::sync::atomic::AtomicBool::new(false),
         })
     }
 

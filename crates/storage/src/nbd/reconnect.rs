@@ -8,7 +8,11 @@
 //!   not take for as long, or no byte at all while replies were awaited) — closes
 //!   the socket and holds the connection's operations, to replay them from their first
 //!   piece on a new connection with new cookies. Reads and writes are idempotent, and a
-//!   write is completed only by its reply, so nothing acknowledged is lost.
+//!   write is completed only by its reply. But a break vblk makes (a deadline, a protocol
+//!   violation) leaves the server free to carry out what it has, later: a write it has
+//!   and has not answered fails with EIO instead, and fences every later write of the
+//!   disk ([`NbdEngine::fence_writes`]), so that it cannot land over a newer acknowledged
+//!   one.
 //! - **Reconnecting** never blocks the worker: each attempt runs on a thread of its own
 //!   (`dial`), bounded by the timeout, one at a time per connection. The delay before an
 //!   attempt starts at 10 ms and doubles to 1 s with every break and every failed attempt;
@@ -36,9 +40,13 @@ use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
 
+use std::sync::atomic::Ordering;
+
+use super::conn::Broken;
 use super::dial::{self, Dial};
 use super::engine::NbdEngine;
 use super::sys::{epoll_ctl, settime};
+use super::wire::{CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES};
 use super::NbdError;
 use crate::engine::errno;
 
@@ -165,8 +173,14 @@ impl NbdEngine {
     }
 
     /// Connection `c` is lost: hold its operations for a replay and reconnect, unless it
-    /// has been in trouble too long.
-    pub(super) fn broke(&mut self, c: usize, why: String, now: Instant) {
+    /// has been in trouble too long. A break that vblk made (a deadline, a protocol
+    /// violation) with writes sent and unanswered fences the disk's writes first
+    /// ([`NbdEngine::fence_writes`]).
+    pub(super) fn broke(&mut self, c: usize, broken: Broken, now: Instant) {
+        let why = broken.why;
+        if !broken.server_ended {
+            self.fence_writes(c, &why);
+        }
         let held = self.requeue(c, now);
         let life = &mut self.lives[c];
         if held > 0 {
@@ -206,6 +220,49 @@ impl NbdEngine {
         self.lives[c].state = State::Down { since, next_try };
         if self.tick_at.is_none_or(|t| t > next_try) {
             self.arm(next_try, now);
+        }
+    }
+
+    /// If connection `c`, which vblk gives up while the server may still be working on
+    /// it, has a write, trim or write-zeroes sent and unanswered: the server may apply it
+    /// later, after writes sent on the next connection, and an acknowledged write would
+    /// be lost under it (a slow server that answers after the timeout does just that).
+    /// So those operations fail with EIO instead of being replayed, and every later
+    /// write, trim, write-zeroes and flush of the disk fails with EIO too, on every
+    /// engine (reads go on): the disk must be opened again to write, once the server is
+    /// sound. A server that ends a connection itself applies nothing more from it, and
+    /// its operations are replayed as before.
+    fn fence_writes(&mut self, c: usize, why: &str) {
+        let unsafe_writes: Vec<u32> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| {
+                s.busy
+                    && usize::from(s.conn) == c
+                    && matches!(s.cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES)
+                    && s.sent_any()
+            })
+            .map(|(i, _)| i as u32)
+            .collect();
+        if unsafe_writes.is_empty() {
+            return;
+        }
+        if !self.ex.writes_fenced.swap(true, Ordering::Relaxed) {
+            error!(
+                "{}: connection given up ({why}) with {} writes sent and unanswered: the \
+                 server may still apply them, after newer writes, so they fail with EIO \
+                 and so does every later write, trim and flush of this disk (reads go on); \
+                 to write again, open the disk again once the server is sound (`vblk disk \
+                 remove` and `add`, or restart the daemon)",
+                self.ex.spec,
+                unsafe_writes.len()
+            );
+        }
+        let conn = &mut self.conns[c];
+        conn.sendq.retain(|si| !unsafe_writes.contains(si));
+        for si in unsafe_writes {
+            self.complete(si, Err(errno(libc::EIO)));
         }
     }
 

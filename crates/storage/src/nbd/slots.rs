@@ -169,6 +169,12 @@ impl Slot {
         self.gen = self.gen.wrapping_add(1);
     }
 
+    /// Some piece of this use is wholly sent and not answered: the server has it, and
+    /// may still carry it out.
+    pub(crate) fn sent_any(&self) -> bool {
+        self.base < self.next
+    }
+
     /// One past the last piece that may be sent now.
     pub(crate) fn window_end(&self) -> u32 {
         self.pieces.min(self.base.saturating_add(WINDOW))
