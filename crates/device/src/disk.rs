@@ -519,6 +519,31 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
     for (q, done, bad, failed) in counters {
         info!("disk {id}: queue {q}: {done} requests completed, {bad} rejected, {failed} failed");
     }
+    release_image(shared, controls);
+}
+
+/// With no frontend, the daemon writes nothing: make the image durable and let its write
+/// locks go until a frontend starts a ring again (which takes them back, or is refused if
+/// another writer took them meanwhile). A migration of a paused VM never turns dirty
+/// logging on, so the switchover is never seen; the destination can take the image once
+/// the source's QEMU has gone (as QEMU inactivates its images at the end of every
+/// migration). Kept while requests of the session may still reach the disk (the reset
+/// fence holds some), and when the daemon stops (it closes the image anyway).
+fn release_image(shared: &DiskShared, controls: &Controls) {
+    if controls.stopping() || shared.fence.old() > 0 {
+        return;
+    }
+    match shared.disk.deactivate() {
+        Ok(true) => info!(
+            "disk {}: no frontend: writes made durable, the image's write locks released until a frontend starts a ring",
+            shared.id
+        ),
+        Ok(false) => {}
+        Err(e) => error!(
+            "disk {}: no frontend, and the image cannot be made durable and let go: {e}; it stays locked",
+            shared.id
+        ),
+    }
 }
 
 fn make_listener(

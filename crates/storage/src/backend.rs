@@ -414,6 +414,13 @@ impl Backend {
         !self.read_only && self.nbd.as_ref().is_none_or(|ex| ex.can_trim())
     }
 
+    /// A writable NBD export whose server offers no multi-conn: one engine (so one
+    /// worker) may write to it, since a flush on one connection would not cover writes
+    /// on another.
+    pub fn one_writer_only(&self) -> bool {
+        self.nbd.as_ref().is_some_and(|e| e.one_writer_only())
+    }
+
     /// What the NBD handshake learnt (NBD disks only).
     pub fn nbd_export(&self) -> Option<crate::nbd::ExportInfo> {
         self.nbd.as_ref().map(|ex| ex.info)

@@ -10,7 +10,9 @@ use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use driver::{Disk, DiskOptions};
 
 use support::assets::find_program;
 use support::daemon::{Backend, Daemon, Export};
@@ -134,6 +136,52 @@ fn vblk_locks_the_bytes_a_qemu_virtio_blk_disk_locks() {
     assert_eq!(locked_bytes(&img), [0u64; 0], "released when vblk ends");
     let ro = vblk(dir.path(), "ro", &img, &["--read-only"]);
     assert_eq!(locked_bytes(&img), [100, 201], "{}", ro.describe());
+}
+
+/// A daemon whose frontend has gone writes nothing: it makes the image durable and lets
+/// its locks go until a frontend starts a ring again. (A paused VM's migration never
+/// turns dirty logging on, so the source's daemon never sees a switchover: the
+/// destination's took the image only once the source daemon was stopped.) A frontend
+/// that comes back takes the locks again, and is refused while another writer has them.
+#[test]
+fn a_daemon_without_a_frontend_lets_the_image_go() {
+    let dir = temp_dir("locking");
+    let img = image(dir.path());
+    let first = vblk(dir.path(), "first", &img, &[]);
+    assert_eq!(locked_bytes(&img), [100, 101, 201]);
+    let write = |sock: &Path, byte: u8| -> Result<(), String> {
+        let disk = Disk::attach(sock, &DiskOptions::default()).map_err(|e| e.to_string())?;
+        let mut q = disk.take_queue(0).ok_or("no queue")?;
+        q.write_at(0, &[byte; 4096]).map_err(|e| e.to_string())?;
+        q.flush_sync().map_err(|e| e.to_string())
+    };
+    write(&first.socket, 7).unwrap();
+    let released = |want: &[u64]| {
+        let t0 = Instant::now();
+        while locked_bytes(&img) != want {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "locks {:?}, not {want:?}: {}",
+                locked_bytes(&img),
+                first.describe()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    released(&[]);
+    assert!(fs::read(&img).unwrap()[..4096].iter().all(|&b| b == 7));
+    // Another writer may take it now; the first daemon's next frontend is refused.
+    let second = vblk(dir.path(), "second", &img, &[]);
+    assert!(
+        write(&first.socket, 8).is_err(),
+        "two daemons wrote the image at once"
+    );
+    write(&second.socket, 9).unwrap();
+    drop(second);
+    // The second has gone: a frontend of the first takes the image back.
+    write(&first.socket, 10).unwrap();
+    released(&[]);
+    assert!(fs::read(&img).unwrap()[..4096].iter().all(|&b| b == 10));
 }
 
 #[test]

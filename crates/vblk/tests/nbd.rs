@@ -40,10 +40,28 @@ fn bench(args: &[&str]) -> String {
 /// back, flushes, and the image file holds them.
 #[test]
 fn serve_on_nbdkit_file_with_verified_driver_io() {
+    verified_driver_io(&[]);
+}
+
+/// The same on a server that offers no multi-conn: the disk's two queues are served by
+/// one worker whatever `--threads` says (every frontend was refused with two).
+#[test]
+fn a_server_without_multi_conn_is_served_by_one_worker() {
+    verified_driver_io(&["--filter=multi-conn"]);
+}
+
+/// `vblk serve --threads 2` with two queues on nbdkit's file plugin (and `filters`):
+/// 64 writes in flight per queue, read back, flushed, and the file is what was written.
+fn verified_driver_io(filters: &[&str]) {
     let dir = temp_dir("vblk-nbd-");
     let img = dir.path().join("disk.img");
     std::fs::write(&img, vec![0u8; 64 * MIB]).unwrap();
-    let nbd = Nbdkit::start(dir.path(), &["file", img.to_str().unwrap()]);
+    let mut args = filters.to_vec();
+    args.extend(["file", img.to_str().unwrap()]);
+    if !filters.is_empty() {
+        args.push("multi-conn-mode=disable");
+    }
+    let nbd = Nbdkit::start(dir.path(), &args);
     let sock = dir.path().join("vblk.sock");
     let d = Daemon::start(
         Backend::Vblk,

@@ -130,7 +130,13 @@ impl Session {
         let num_queues = usize::from(config.num_queues);
         // Queue i is served by worker i % workers; worker w runs on pool thread
         // (first + w) % threads, so that the disks of a daemon spread over its threads.
-        let threads = pool.len().clamp(1, num_queues);
+        // A writable NBD export without multi-conn takes one writer: all the disk's queues
+        // on one worker (`--threads` serves the daemon's other disks).
+        let threads = if disk.one_writer_only() {
+            1
+        } else {
+            pool.len().clamp(1, num_queues)
+        };
         let poison = Arc::new(AtomicBool::new(false));
         let conn = Arc::new(conn);
         // Held while the workers start: a change of limits meanwhile waits, then reaches

@@ -74,6 +74,17 @@ impl Default for NbdOptions {
     }
 }
 
+/// What a server that hangs up before its greeting may be: one that served its one client.
+fn gone_hint(during: &str) -> &'static str {
+    if during == "greeting" {
+        " (a server that serves one client and exits, as qemu-nbd does without -t \
+         (--persistent), is gone after vblk's first connection: vblk connects once to learn \
+         the export, then once per worker and after every break)"
+    } else {
+        ""
+    }
+}
+
 /// What went wrong talking to an NBD server; [`Error::Nbd`] carries it with the URI.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -89,7 +100,7 @@ pub enum NbdError {
         source: std::io::Error,
     },
     /// Reading or writing the socket failed (a timeout included).
-    #[error("{during}: {source}")]
+    #[error("{during}: {source}{}", gone_hint(during))]
     Io {
         /// The step of the handshake.
         during: &'static str,
@@ -98,7 +109,10 @@ pub enum NbdError {
         source: std::io::Error,
     },
     /// The server hung up.
-    #[error("the server closed the connection during {during}")]
+    #[error(
+        "the server closed the connection during {during}{}",
+        gone_hint(during)
+    )]
     Closed {
         /// The step of the handshake.
         during: &'static str,
@@ -159,6 +173,9 @@ pub enum NbdError {
         "the export is read-only (the server sets NBD_FLAG_READ_ONLY); serve it with --read-only"
     )]
     ReadOnly,
+    /// The export has no bytes.
+    #[error("the export is empty (its size is 0): there is nothing to serve")]
+    Empty,
     /// The export's size is not a whole number of blocks.
     #[error("export size {size} is not a multiple of {block}")]
     Unaligned {
@@ -273,7 +290,10 @@ impl Export {
                 need: block,
             }));
         }
-        if !info.size.is_multiple_of(u64::from(block)) || info.size == 0 {
+        if info.size == 0 {
+            return Err(fail(NbdError::Empty));
+        }
+        if !info.size.is_multiple_of(u64::from(block)) {
             return Err(fail(NbdError::Unaligned {
                 size: info.size,
                 block,
@@ -324,6 +344,11 @@ impl Export {
         } else {
             1
         }
+    }
+
+    /// Writable, on a server without multi-conn: one engine at a time.
+    pub(crate) fn one_writer_only(&self) -> bool {
+        !self.read_only && !self.has(wire::FLAG_CAN_MULTI_CONN)
     }
 
     /// Registers a new engine; a second writer on a server without multi-conn is refused.

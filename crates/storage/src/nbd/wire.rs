@@ -128,7 +128,11 @@ pub(crate) fn rep_name(rep: u32) -> String {
         0x8000_0002 => "NBD_REP_ERR_POLICY".into(),
         0x8000_0003 => "NBD_REP_ERR_INVALID".into(),
         0x8000_0004 => "NBD_REP_ERR_PLATFORM".into(),
-        0x8000_0005 => "NBD_REP_ERR_TLS_REQD".into(),
+        0x8000_0005 => {
+            "NBD_REP_ERR_TLS_REQD (the server requires TLS, which vblk does not speak: serve \
+             the export without it, e.g. on a Unix socket)"
+                .into()
+        }
         REP_ERR_UNKNOWN => "NBD_REP_ERR_UNKNOWN".into(),
         0x8000_0007 => "NBD_REP_ERR_SHUTDOWN".into(),
         0x8000_0008 => "NBD_REP_ERR_BLOCK_SIZE_REQD".into(),

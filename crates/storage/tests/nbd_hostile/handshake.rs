@@ -56,6 +56,32 @@ fn an_unknown_export_the_server_lists_is_not_called_missing() {
 }
 
 #[test]
+fn a_server_that_requires_tls_is_named_so() {
+    let err = open_error(0x8000_0005, "", &[""]);
+    assert!(
+        err.contains("NBD_REP_ERR_TLS_REQD (the server requires TLS, which vblk does not speak"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_empty_export_is_named_so() {
+    let ex = super::server::Export { size: 0, ..EX };
+    let s = Server::unix(ex, |s| {
+        let _ = s.handshake();
+    });
+    let uri = s.uri().to_owned();
+    let err = within(secs(30.0), "opening the disk", move || {
+        open_uri(&uri, &opts(5.0, 5.0)).err()
+    });
+    let err = err.expect("an empty export was opened");
+    assert!(
+        err.ends_with("the export is empty (its size is 0): there is nothing to serve"),
+        "{err}"
+    );
+}
+
+#[test]
 fn other_errors_say_the_reply_and_the_message() {
     let err = open_error(REP_ERR_PLATFORM, "can_fua: plugin failed", &[""]);
     assert!(
