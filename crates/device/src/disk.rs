@@ -510,6 +510,9 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
     }
     let counters = session.counters();
     drop(session);
+    // The frontend learns now that the session is over, even if a worker that did not
+    // end within the drain timeout still holds a clone of the connection (to end it).
+    let _ = stream.shutdown(std::net::Shutdown::Both);
     shared
         .throttle
         .lock()

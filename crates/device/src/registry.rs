@@ -67,7 +67,7 @@ pub(crate) enum RemoveError {
     #[error("no disk is named {0:?}")]
     Unknown(String),
     /// A frontend uses it.
-    #[error("disk {0:?} is attached to a frontend; detach it first (QEMU: device_del), or remove it with --force (its requests in flight finish and are flushed, then the frontend loses the disk)")]
+    #[error("disk {0:?} is attached to a frontend; detach it first (QEMU: device_del, then chardev-remove, which closes the connection), or remove it with --force (its requests in flight finish and are flushed, then the frontend loses the disk)")]
     Attached(String),
     /// Stopping it failed.
     #[error("disk {0:?}: {1}")]

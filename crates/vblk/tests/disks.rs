@@ -483,6 +483,70 @@ fn the_control_socket_answers_during_a_slow_removal() {
     });
 }
 
+/// A forced removal of a disk whose NBD server holds a write (for 60 s): the removal ends
+/// after the drain timeout, and the frontend learns at once that the disk is gone (its
+/// connection stayed open while the worker that held the write lived, so its requests
+/// hung until the server answered).
+#[test]
+fn a_forced_removal_of_a_hung_disk_lets_its_frontend_go() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("disks-hung");
+        let nbd = Nbdkit::start(
+            dir.path(),
+            &["--filter=delay", "memory", "16M", "wdelay=60"],
+        );
+        let ctl = dir.path().join("ctl.sock");
+        let (hung, other) = (dir.path().join("hung.sock"), dir.path().join("other.sock"));
+        let _d = Daemon::start_vblk(
+            "vblk",
+            &[
+                "--control-socket",
+                s(&ctl),
+                "--disk",
+                &format!(
+                    "socket={},file={},num-queues=1,drain-timeout-secs=2",
+                    s(&hung),
+                    nbd.uri()
+                ),
+                "--disk",
+                &format!("socket={},file=null:1G", s(&other)),
+            ],
+            &other,
+            &dir.path().join("vblk.log"),
+        );
+        let writer = {
+            let hung = hung.clone();
+            std::thread::spawn(move || {
+                let disk = Disk::attach(&hung, &DiskOptions::default()).unwrap();
+                let mut q = disk.take_queue(0).unwrap();
+                let r = q.write_at(0, &[1u8; 4096]);
+                (r.is_ok(), Instant::now())
+            })
+        };
+        let t0 = Instant::now();
+        while stats(&ctl)["disks"][0]["queues"][0]["in_flight"].as_u64() != Some(1) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the write never arrived"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        ok(&["disk", "remove", s(&ctl), "hung", "--force"]);
+        let removed = Instant::now();
+        let (written, ended) = writer.join().unwrap();
+        assert!(
+            !written,
+            "a write the server never answered was acknowledged"
+        );
+        let late = ended.saturating_duration_since(removed);
+        assert!(
+            late < Duration::from_secs(5),
+            "the frontend learned {late:?} after the removal that its disk was gone"
+        );
+    });
+}
+
 /// `vblk disk sync` makes the daemon serve what its config file says: a disk added, one
 /// removed, one's limits changed; nothing done twice.
 #[test]
