@@ -450,14 +450,7 @@ fn the_control_socket_answers_during_a_slow_removal() {
             q.write_at(0, &[5u8; 4096])
         });
         // The write is held at the device; the removal waits for it.
-        let t0 = Instant::now();
-        while stats(&ctl)["disks"][0]["queues"][0]["in_flight"].as_u64() != Some(1) {
-            assert!(
-                t0.elapsed() < Duration::from_secs(5),
-                "the write never arrived"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        one_request_in_flight(&ctl);
         let ctl2 = ctl.clone();
         let removal =
             std::thread::spawn(move || vblk(&["disk", "remove", s(&ctl2), "x", "--force"]));
@@ -524,14 +517,7 @@ fn a_forced_removal_of_a_hung_disk_lets_its_frontend_go() {
                 (r.is_ok(), Instant::now())
             })
         };
-        let t0 = Instant::now();
-        while stats(&ctl)["disks"][0]["queues"][0]["in_flight"].as_u64() != Some(1) {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "the write never arrived"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        one_request_in_flight(&ctl);
         ok(&["disk", "remove", s(&ctl), "hung", "--force"]);
         let removed = Instant::now();
         let (written, ended) = writer.join().unwrap();
@@ -648,4 +634,16 @@ fn a_config_file_reloaded_adds_removes_and_relimits() {
             "{why}"
         );
     });
+}
+
+/// Wait until the first disk's first queue has one request in flight.
+fn one_request_in_flight(ctl: &std::path::Path) {
+    let t0 = Instant::now();
+    while stats(ctl)["disks"][0]["queues"][0]["in_flight"].as_u64() != Some(1) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the write never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
