@@ -157,8 +157,12 @@ pub fn check_id(id: &str) -> Result<(), ConfigError> {
     check_name("disk id", id)
 }
 
-/// Check a throttle group's name: the same characters as a disk's id.
+/// Check a throttle group's name: the same characters as a disk's id, and not `none`
+/// (which means "in no group" where a disk names its group).
 pub fn check_group_name(name: &str) -> Result<(), ConfigError> {
+    if name == "none" {
+        return Err(ConfigError::GroupNone);
+    }
     check_name("throttle group", name)
 }
 
@@ -279,6 +283,11 @@ pub enum ConfigError {
     /// Thread count out of range.
     #[error("--threads {0}: must be between 1 and 256")]
     Threads(usize),
+    /// A throttle group named `none`, which means "in no group" where a disk names one.
+    #[error(
+        "throttle group \"none\": that name means \"in no group\" (group=none); choose another"
+    )]
+    GroupNone,
     /// A disk name that cannot be one.
     #[error("{what} {name:?}: must be 1 to 64 of A-Z a-z 0-9 . _ - (not starting with - or .)")]
     Id {

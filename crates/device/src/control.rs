@@ -382,7 +382,6 @@ fn add(
             served.config.backing.len()
         ));
     }
-    served.listen = Listen::Fd(std::os::fd::IntoRawFd::into_raw_fd(listener));
     let file_needed = matches!(served.config.disk, storage::DiskSpec::File(_));
     if file_needed != file.is_some() {
         return Err(if file_needed {
@@ -398,11 +397,13 @@ fn add(
         if let Some(other) = f
             .metadata()
             .ok()
-            .and_then(|m| registry.serving_file((m.dev(), m.ino())))
+            .and_then(|m| registry.serving_file((m.dev(), m.ino()), !served.config.read_only))
         {
             return Err(format!("disk {other:?} serves this image already"));
         }
     }
+    // From here the listener belongs to the disk (closed with it, or on its failure).
+    served.listen = Listen::Fd(std::os::fd::IntoRawFd::into_raw_fd(listener));
     let id = served.id.clone();
     let mut opened = OpenedDisk::open_with(served, file, backing).map_err(|e| e.to_string())?;
     opened.adopt_socket(&socket);

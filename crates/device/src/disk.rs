@@ -531,9 +531,10 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
 /// logging on, so the switchover is never seen; the destination can take the image once
 /// the source's QEMU has gone (as QEMU inactivates its images at the end of every
 /// migration). Kept while requests of the session may still reach the disk (the reset
-/// fence holds some), and when the daemon stops (it closes the image anyway).
+/// fence holds some, or a worker of it still exists, whose engine may hold some that no
+/// fence counts yet), and when the daemon stops (it closes the image anyway).
 fn release_image(shared: &DiskShared, controls: &Controls) {
-    if controls.stopping() || shared.fence.old() > 0 {
+    if controls.stopping() || shared.fence.old() > 0 || shared.fence.workers() > 0 {
         return;
     }
     match shared.disk.deactivate() {

@@ -30,6 +30,9 @@ use crate::stats::FenceStats;
 #[derive(Debug, Default)]
 pub(crate) struct Fence {
     old: AtomicUsize,
+    /// Workers that exist (made and not yet dropped): one may still have requests at its
+    /// engine that no fence counts yet, while its thread is busy.
+    workers: AtomicUsize,
     stats: Arc<FenceStats>,
 }
 
@@ -37,8 +40,23 @@ impl Fence {
     pub(crate) fn new(stats: Arc<FenceStats>) -> Fence {
         Fence {
             old: AtomicUsize::new(0),
+            workers: AtomicUsize::new(0),
             stats,
         }
+    }
+
+    /// A worker was made (`true`) or dropped (`false`).
+    pub(crate) fn worker(&self, made: bool) {
+        if made {
+            self.workers.fetch_add(1, Ordering::AcqRel);
+        } else {
+            self.workers.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Workers that exist.
+    pub(crate) fn workers(&self) -> usize {
+        self.workers.load(Ordering::Acquire)
     }
 
     /// `n` more requests became old.

@@ -127,6 +127,14 @@ impl Registry {
     /// Serve `opened` (its name must be new).
     pub(crate) fn start(self: &Arc<Self>, opened: OpenedDisk) -> Result<(), Error> {
         let mut inner = self.lock();
+        // A disk added while the daemon stops would be left running (stop_all has taken
+        // the disks already, or is about to, under this lock).
+        if self.daemon.stopping() {
+            return Err(Error::VhostUser(format!(
+                "disk {:?} not started: the daemon is stopping",
+                opened.id
+            )));
+        }
         if inner.disks.iter().any(|d| d.shared.id == opened.id) {
             return Err(Error::Duplicate(format!(
                 "a disk named {:?} is served already",
@@ -249,21 +257,21 @@ impl Registry {
         Value::Array(groups)
     }
 
-    /// The disk that serves the file of (device, inode) `id`, if one does.
-    pub(crate) fn serving_file(&self, id: (u64, u64)) -> Option<String> {
-        use std::os::unix::fs::MetadataExt;
-        let inner = self.lock();
-        inner
+    /// A disk that serves the file of (device, inode) `id` writable, or any disk on it
+    /// when `writable`: two writers, or a writer and a reader, cannot share an image
+    /// (two readers can).
+    pub(crate) fn serving_file(&self, id: (u64, u64), writable: bool) -> Option<String> {
+        // Looked at outside the lock: an fstat may be slow on a network file system.
+        let disks: Vec<(String, Arc<storage::Backend>)> = self
+            .lock()
             .disks
             .iter()
-            .find(|d| {
-                d.shared
-                    .disk
-                    .path()
-                    .and_then(|p| std::fs::metadata(p).ok())
-                    .is_some_and(|m| (m.dev(), m.ino()) == id)
-            })
-            .map(|d| d.shared.id.clone())
+            .map(|d| (d.shared.id.clone(), d.shared.disk.clone()))
+            .collect();
+        disks
+            .into_iter()
+            .find(|(_, b)| (writable || !b.read_only()) && b.file_id() == Some(id))
+            .map(|(name, _)| name)
     }
 
     /// Whether a disk named `id` is served.
@@ -307,6 +315,15 @@ impl Registry {
             (Arc::clone(&d.shared), Arc::clone(&d.controls))
         };
         // Not under the registry's lock: growing a qcow2 writes and syncs its metadata.
+        // A disk that let its image go when its frontend left (disk.rs, `release_image`)
+        // takes it back to resize it, and keeps it (its next frontend would take it
+        // anyway); a migration's destination before it starts does not.
+        if !shared.config.image.incoming && shared.disk.holding() == storage::Holding::Inactive {
+            shared
+                .disk
+                .activate()
+                .map_err(|e| format!("disk {id}: {e}"))?;
+        }
         let (old, new) = shared
             .disk
             .resize(size, shrink)

@@ -414,6 +414,17 @@ impl Backend {
         !self.read_only && self.nbd.as_ref().is_none_or(|ex| ex.can_trim())
     }
 
+    /// The (device, inode) of the file or block device this backend serves (a qcow2
+    /// image's own file), from its open descriptor.
+    pub fn file_id(&self) -> Option<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let file = match self.qcow2() {
+            Some(image) => image.container.file.as_ref(),
+            None => self.file.as_ref(),
+        }?;
+        file.metadata().ok().map(|m| (m.dev(), m.ino()))
+    }
+
     /// A writable NBD export whose server offers no multi-conn: one engine (so one
     /// worker) may write to it, since a flush on one connection would not cover writes
     /// on another.

@@ -766,7 +766,7 @@ case "$1" in
     if [ ! -e $F.slowed ]; then touch $F.slowed; sleep 3; fi
     dd if=$t of=$F oflag=seek_bytes conv=notrunc seek=$4 bs=64k 2>/dev/null
     rm -f $t ;;
-  flush) exit 0 ;;
+  flush) if [ ! -e $F.fslowed ]; then touch $F.fslowed; sleep 3; fi ;;
   *) exit 2 ;;
 esac
 "#,
@@ -785,9 +785,37 @@ esac
         let err = r.map(|_| ()).expect_err(what);
         assert_eq!(err.raw_os_error(), Some(libc::EIO), "{what}: {err}");
     };
-    eio(
-        write(&mut *e, 0, &[0xaa; BLOCK], &[BLOCK], 0, false),
-        "the write the server held past the timeout",
+    // The write and a flush after it, both held by the server past the timeout: the
+    // write fails; the flush, which a replay would have answered, fails too.
+    let data = vec![0xaau8; BLOCK];
+    let v = [libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: BLOCK,
+    }];
+    let w = Op::Write {
+        offset: 0,
+        iov: v.as_ptr(),
+        iovcnt: 1,
+        durable: false,
+    };
+    // SAFETY: `data` and `v` outlive both operations, which are reaped below.
+    unsafe {
+        e.push(1, w).unwrap();
+        e.push(2, Op::Flush).unwrap();
+    }
+    e.submit().unwrap();
+    let mut got = Vec::new();
+    let t0 = Instant::now();
+    while got.len() < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{got:?}");
+        e.wait().unwrap();
+        e.reap(&mut |c| got.push((c.token, c.result.map_err(|e| e.raw_os_error()))));
+    }
+    got.sort_unstable_by_key(|(t, _)| *t);
+    assert_eq!(
+        got,
+        [(1, Err(Some(libc::EIO))), (2, Err(Some(libc::EIO)))],
+        "the write the server held past the timeout, and the flush behind it"
     );
     eio(
         write(&mut *e, 0, &[0xbb; BLOCK], &[BLOCK], 0, false),

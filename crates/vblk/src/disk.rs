@@ -80,7 +80,10 @@ pub enum DiskCommand {
     /// Make the daemon serve the disks a --config file names.
     ///
     /// Adds those it lacks, removes those the file no longer names (not while attached),
-    /// reports those whose settings changed. For `systemctl reload`
+    /// applies changed QoS limits and groups, reports other settings that changed (the
+    /// disk must be removed and added for them). The file's `[group.NAME]` tables are
+    /// the groups' limits: a group the file does not name loses its limits, whoever set
+    /// them (`--group`, `vblk disk group`). For `systemctl reload`
     /// (contrib/systemd/vblk-host.service).
     Sync(SyncArgs),
 }

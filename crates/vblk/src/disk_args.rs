@@ -358,7 +358,7 @@ pub fn check_unique(
     let canonical = |k: &str| match k {
         "group" => "throttle.group".to_string(),
         k if crate::disk::is_limit_name(k) => format!("throttle.{k}"),
-        k => k.to_string(),
+        k => long_name(k).to_string(),
     };
     for (i, (k, _)) in items.iter().enumerate() {
         if k.is_empty() {

@@ -78,7 +78,11 @@ pub fn run(args: InfoArgs) -> Result<(), Box<dyn Error>> {
 fn image_info(a: &InfoArgs, path: &Path) -> Result<Value, Box<dyn Error>> {
     let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let meta = file.metadata()?;
-    let size = meta.len();
+    // A block device's size is not in its metadata: where its end is.
+    let size = {
+        use std::io::Seek;
+        (&file).seek(std::io::SeekFrom::End(0))?
+    };
     let mut head = vec![0u8; size.min(2 << 20) as usize];
     file.read_exact_at(&mut head, 0)?;
     let qcow2 = match a.format.as_deref() {
@@ -120,6 +124,7 @@ fn image_info(a: &InfoArgs, path: &Path) -> Result<Value, Box<dyn Error>> {
         "total": alloc.clusters,
         "data": alloc.data,
         "zero": alloc.zero,
+        "zero_allocated": alloc.zero_allocated,
         "compressed": alloc.compressed,
         "corrupt": alloc.corrupt,
     });
@@ -185,15 +190,16 @@ fn render_image(v: &Value) -> String {
     if format == "qcow2" {
         let c = &v["clusters"];
         let total = u(&c["total"]).max(1);
-        let used = u(&c["data"]) + u(&c["compressed"]);
+        let used = u(&c["data"]) + u(&c["compressed"]) + u(&c["zero_allocated"]);
         line(
             "allocated",
             format!(
-                "{used} of {} clusters ({:.1} %): {} data, {} compressed; {} read as zeroes{}",
+                "{used} of {} clusters ({:.1} %): {} data, {} compressed, {} zeroed in place; {} more read as zeroes{}",
                 u(&c["total"]),
                 100.0 * used as f64 / total as f64,
                 u(&c["data"]),
                 u(&c["compressed"]),
+                u(&c["zero_allocated"]),
                 u(&c["zero"]),
                 match u(&c["corrupt"]) {
                     0 => String::new(),

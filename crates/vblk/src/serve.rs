@@ -806,6 +806,20 @@ mod tests {
             e.contains("group and throttle.group are the same setting"),
             "{e}"
         );
+        let e =
+            plan_of(&["--disk", "socket=/a.sock,file=null:1G,socket-path=/b.sock"]).unwrap_err();
+        assert!(
+            e.contains("socket and socket-path are the same setting"),
+            "{e}"
+        );
+        let e = plan_of(&[
+            "--group",
+            "none:iops-total=100",
+            "--disk",
+            "socket=/a.sock,file=null:1G",
+        ])
+        .unwrap_err();
+        assert!(e.contains("that name means \"in no group\""), "{e}");
         // A list may come again: the backing chain, in order.
         let (_, disks) = plan_of(&[
             "--disk",

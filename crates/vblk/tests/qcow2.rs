@@ -263,6 +263,12 @@ fn info_shows_the_format_the_allocation_and_the_chain() {
     let dir = temp_dir("qcow2-info");
     let d = dir.path();
     images(d);
+    // A written cluster zeroed in place: it keeps its host cluster (allocated for QEMU).
+    tool(
+        d,
+        "qemu-io",
+        &["-f", "qcow2", "-c", "write -z 1M 64k", "top.qcow2"],
+    );
     let info = |extra: &[&str]| -> Value {
         let out = Command::new(env!("CARGO_BIN_EXE_vblk"))
             .args([
@@ -297,7 +303,10 @@ fn info_shows_the_format_the_allocation_and_the_chain() {
         })
         .unwrap_or_else(|| panic!("no allocation in qemu-img check's output: {text}"));
     let c = &v["clusters"];
-    let used = c["data"].as_u64().unwrap() + c["compressed"].as_u64().unwrap();
+    let used = c["data"].as_u64().unwrap()
+        + c["compressed"].as_u64().unwrap()
+        + c["zero_allocated"].as_u64().unwrap();
+    assert!(c["zero_allocated"].as_u64().unwrap() > 0, "{v}");
     assert_eq!((used, c["total"].as_u64().unwrap()), counts, "{v}");
     assert!(
         c["zero"].as_u64().unwrap() > 0,

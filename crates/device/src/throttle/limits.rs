@@ -101,7 +101,8 @@ pub fn keys() -> Vec<String> {
 /// are never two different rates.
 fn number(key: &str, v: &str) -> Result<u64, String> {
     let v = v.trim();
-    let bytes = key.starts_with("bps") || key == "iops-size";
+    // A burst's length is seconds, whatever it limits.
+    let bytes = (key.starts_with("bps") && !key.ends_with("-max-length")) || key == "iops-size";
     let power = |n: u32| {
         if bytes {
             1u64 << (10 * n)
@@ -323,6 +324,9 @@ mod tests {
             assert_eq!(one(spec).buckets[bucket].avg, want, "{spec}");
         }
         assert_eq!(one("iops-total=1,iops-size=4k").iops_size, 4096);
+        // A burst's length is seconds, in 1000s whatever it limits.
+        let l = one("bps-total=1M,bps-total-max=2M,bps-total-max-length=1k");
+        assert_eq!(l.buckets[0].max_length, 1000);
         assert!(Limits::parse("iops-total=10x").is_err());
         assert!(Limits::parse("iops-total=k").is_err());
         assert!(Limits::parse("none").unwrap().is_unlimited());

@@ -189,6 +189,8 @@ pub(crate) struct Worker {
 impl Worker {
     /// A worker that is not on a thread yet: [`Worker::adopt`] puts it on one.
     pub(crate) fn new(setup: WorkerSetup, mailbox: Arc<Mailbox>) -> io::Result<Worker> {
+        let epoll = Arc::new(Epoll::new()?);
+        setup.fence.worker(true);
         Ok(Worker {
             engine: setup.engine,
             queues: Vec::new(),
@@ -197,7 +199,7 @@ impl Worker {
             depth: setup.depth,
             blk: setup.blk,
             mailbox,
-            epoll: Arc::new(Epoll::new()?),
+            epoll,
             key: 0,
             parser: Parser::new(0),
             mem: Arc::new(GuestMemory::empty()),
@@ -419,6 +421,7 @@ impl Drop for Worker {
         drop(engine);
         self.fence.release(live + self.fenced_here);
         self.fenced_here = 0;
+        self.fence.worker(false);
     }
 }
 

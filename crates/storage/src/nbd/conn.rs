@@ -53,8 +53,8 @@ enum Rx {
 #[derive(Debug)]
 pub(crate) struct Broken {
     pub why: String,
-    /// The server ended the connection (it closed or reset it, or said it shuts down):
-    /// nothing sent on it is applied later. Otherwise vblk gives it up (a protocol
+    /// The server ended the connection (it closed or reset it): nothing sent on it is
+    /// applied later. Otherwise vblk gives it up (a protocol
     /// violation, a local error) and the server may still be working on what it got.
     pub server_ended: bool,
 }
@@ -453,7 +453,8 @@ impl Conn {
         }
         self.waiting = self.waiting.saturating_sub(1);
         if r.error == wire::NBD_ESHUTDOWN {
-            return Err(ended("the server is shutting down (ESHUTDOWN)".into()));
+            // Not ended: the server may still finish what it has (the protocol lets it).
+            return Err("the server is shutting down (ESHUTDOWN)".to_owned().into());
         }
         if r.error != 0 {
             if s.error == 0 {

@@ -333,6 +333,25 @@ impl NbdEngine {
         None
     }
 
+    /// The disk's writes are fenced (reconnect.rs, `fence_writes`): fail with EIO every
+    /// write, trim, write-zeroes and flush waiting on connection `c` of which nothing is
+    /// sent yet (queued before the fence, here or on another engine, or restarted for a
+    /// replay). What is partly sent goes on: the server has none of it whole.
+    fn drop_fenced(&mut self, c: usize) {
+        for _ in 0..self.conns[c].sendq.len() {
+            let Some(si) = self.conns[c].sendq.pop_front() else {
+                break;
+            };
+            let s = &self.slots[si as usize];
+            let untouched = s.next == 0 && s.sent == 0 && s.base == 0;
+            if untouched && matches!(s.cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES | CMD_FLUSH) {
+                self.complete(si, Err(errno(libc::EIO)));
+            } else {
+                self.conns[c].sendq.push_back(si);
+            }
+        }
+    }
+
     /// Finishes slot `si` with `result`.
     pub(super) fn complete(&mut self, si: u32, result: io::Result<u64>) {
         let s = &mut self.slots[si as usize];
@@ -379,6 +398,9 @@ impl NbdEngine {
     pub(super) fn flush_conn(&mut self, c: usize, now: Instant) {
         if !matches!(self.lives[c].state, State::Up) {
             return;
+        }
+        if self.ex.writes_fenced.load(Ordering::Relaxed) {
+            self.drop_fenced(c);
         }
         let conn = &mut self.conns[c];
         let now_ms = self.clock.ms(now);

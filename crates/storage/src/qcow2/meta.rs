@@ -490,8 +490,11 @@ pub struct Allocation {
     pub clusters: u64,
     /// Mapped to data in the image file.
     pub data: u64,
-    /// Reading as zeroes by their entry (with or without a cluster kept for them).
+    /// Reading as zeroes by their entry, with no cluster kept for them.
     pub zero: u64,
+    /// Reading as zeroes by their entry, with a cluster kept for them (allocated, as
+    /// `qemu-img check` counts it).
+    pub zero_allocated: u64,
     /// Compressed.
     pub compressed: u64,
     /// Whose entries are corrupt.
@@ -511,12 +514,22 @@ impl Meta {
         };
         let mut out = Vec::new();
         for slice in 0..clusters.div_ceil(per_slice) {
-            self.slice(file, slice, &mut out)?;
-            let left = clusters - slice * per_slice;
-            for m in out.iter().take(left.min(per_slice) as usize) {
+            let left = (clusters - slice * per_slice).min(per_slice);
+            match self.slice(file, slice, &mut out) {
+                Ok(()) => {}
+                // A slice that cannot be read is an error; one whose L2 table is
+                // misplaced counts as corrupt, and the rest is still counted.
+                Err(MetaError::Io(e)) => return Err(MetaError::Io(e)),
+                Err(_) => {
+                    a.corrupt += left;
+                    continue;
+                }
+            }
+            for m in out.iter().take(left as usize) {
                 match m {
                     Ok(Mapping::Data { .. }) => a.data += 1,
-                    Ok(Mapping::Zero { .. }) => a.zero += 1,
+                    Ok(Mapping::Zero { host: Some(_) }) => a.zero_allocated += 1,
+                    Ok(Mapping::Zero { host: None }) => a.zero += 1,
                     Ok(Mapping::Compressed { .. }) => a.compressed += 1,
                     Ok(Mapping::Unallocated) => {}
                     Err(_) => a.corrupt += 1,
