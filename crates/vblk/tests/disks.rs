@@ -168,6 +168,20 @@ fn disks_come_and_go_while_the_daemon_runs() {
             !bad && why.contains("disk \"c\" serves this image already"),
             "{why}"
         );
+        // Two read-only disks may share an image (their locks do).
+        let base = later.path().join("base.img");
+        fs::File::create(&base).unwrap().set_len(MIB).unwrap();
+        for name in ["ro1", "ro2"] {
+            let spec = format!(
+                "socket={},file={},format=raw,read-only=on",
+                s(&later.path().join(format!("{name}.sock"))),
+                s(&base)
+            );
+            ok(&["disk", "add", s(&ctl), &spec]);
+        }
+        for name in ["ro1", "ro2"] {
+            ok(&["disk", "remove", s(&ctl), name]);
+        }
         let disk = Disk::attach(&c, &DiskOptions::default()).unwrap();
         assert_eq!(disk.capacity_bytes(), 16 * MIB);
         let mut q = disk.take_queue(0).unwrap();
