@@ -225,35 +225,23 @@ fn disks_come_and_go_while_the_daemon_runs() {
         assert!(!c.exists(), "the removed disk's socket is gone");
         let (bad, why) = vblk(&["disk", "remove", s(&ctl), "nosuch"]);
         assert!(!bad && why.contains("no disk is named \"nosuch\""), "{why}");
-        let (bad, why) = vblk(&[
-            "disk",
-            "add",
-            s(&ctl),
-            &format!("socket={},file=null:1G,threads=2", s(&c)),
-        ]);
-        assert!(!bad && why.contains("applies to the whole daemon"), "{why}");
+        let why = add_refused(&ctl, &format!("socket={},file=null:1G,threads=2", s(&c)));
+        assert!(why.contains("applies to the whole daemon"), "{why}");
         // A name already served is refused before the daemon takes the socket over.
-        let (bad, why) = vblk(&[
-            "disk",
-            "add",
-            s(&ctl),
-            &format!("socket={},file=null:1G,id=second", s(&c)),
-        ]);
+        let why = add_refused(&ctl, &format!("socket={},file=null:1G,id=second", s(&c)));
         assert!(
-            !bad && why.contains("a disk named \"second\" is served already"),
+            why.contains("a disk named \"second\" is served already"),
             "{why}"
         );
         assert!(!c.exists(), "the refused disk's socket is gone");
         // An NBD server on a TCP port the sandbox was not opened for: refused, naming
         // --nbd-ports (connecting anyway was a system call seccomp killed the daemon for).
-        let (bad, why) = vblk(&[
-            "disk",
-            "add",
-            s(&ctl),
+        let why = add_refused(
+            &ctl,
             &format!("socket={},file=nbd://127.0.0.1:10999/", s(&c)),
-        ]);
+        );
         assert!(
-            !bad && why.contains("--nbd-ports 10999") && why.contains("sandbox"),
+            why.contains("--nbd-ports 10999") && why.contains("sandbox"),
             "{why}"
         );
         assert!(
@@ -261,13 +249,11 @@ fn disks_come_and_go_while_the_daemon_runs() {
             "the daemon lives"
         );
         // Settings given twice are refused, not the last one taken.
-        let (bad, why) = vblk(&[
-            "disk",
-            "add",
-            s(&ctl),
+        let why = add_refused(
+            &ctl,
             &format!("socket={},file=null:1G,num-queues=2,num-queues=3", s(&c)),
-        ]);
-        assert!(!bad && why.contains("num-queues is given twice"), "{why}");
+        );
+        assert!(why.contains("num-queues is given twice"), "{why}");
         let (bad, why) = vblk(&[
             "disk",
             "set",
@@ -701,4 +687,11 @@ fn one_request_in_flight(ctl: &std::path::Path) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// `vblk disk add CTL SPEC`, which must be refused: what it said.
+fn add_refused(ctl: &std::path::Path, spec: &str) -> String {
+    let (added, why) = vblk(&["disk", "add", s(ctl), spec]);
+    assert!(!added, "disk add {spec} was not refused: {why}");
+    why
 }
