@@ -55,6 +55,11 @@ pub(crate) struct DiskShared {
     pub spec: String,
     /// Its QoS limits, and the workers to tell when they change.
     pub throttle: Mutex<DiskThrottle>,
+    /// Held while the image's write locks change hands outside a session: released when
+    /// the frontend leaves (`release_image`), taken back for `vblk disk resize`. A resize
+    /// that came while the last frontend's release was under way found the disk still
+    /// active, and then the image let go under it (EIO).
+    pub image_turn: Mutex<()>,
 }
 
 /// A disk's QoS: its own limits, its group's, and the mailboxes of the workers that serve
@@ -151,6 +156,7 @@ impl DiskShared {
             attached: AtomicBool::new(false),
             spec,
             throttle: Mutex::new(throttle),
+            image_turn: Mutex::new(()),
         }
     }
 }
@@ -537,6 +543,7 @@ fn release_image(shared: &DiskShared, controls: &Controls) {
     if controls.stopping() || shared.fence.old() > 0 || shared.fence.workers() > 0 {
         return;
     }
+    let _turn = shared.image_turn.lock().unwrap_or_else(|p| p.into_inner());
     match shared.disk.deactivate() {
         Ok(true) => info!(
             "disk {}: no frontend: writes made durable, the image's write locks released until a frontend starts a ring",

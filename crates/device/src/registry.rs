@@ -317,7 +317,9 @@ impl Registry {
         // Not under the registry's lock: growing a qcow2 writes and syncs its metadata.
         // A disk that let its image go when its frontend left (disk.rs, `release_image`)
         // takes it back to resize it, and keeps it (its next frontend would take it
-        // anyway); a migration's destination before it starts does not.
+        // anyway); a migration's destination before it starts does not. The turn keeps a
+        // release under way from letting the image go between the two.
+        let _turn = shared.image_turn.lock().unwrap_or_else(|p| p.into_inner());
         if !shared.config.image.incoming && shared.disk.holding() == storage::Holding::Inactive {
             shared
                 .disk

@@ -204,8 +204,9 @@ pub struct Backend {
     path: Option<PathBuf>,
     pub(crate) file: Option<File>,
     map: Option<MemMap>,
-    /// Bytes; changes only through [`Backend::refresh_size`].
-    size: AtomicU64,
+    /// Bytes; changes only through [`Backend::refresh_size`], [`Backend::resize`] and
+    /// [`Backend::activate`] (a qcow2 header another program changed).
+    pub(crate) size: AtomicU64,
     logical_block_size: u32,
     dio: Option<DioAlign>,
     read_only: bool,

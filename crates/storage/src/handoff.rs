@@ -30,6 +30,7 @@
 
 use std::io;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
 
 use crate::backend::{Backend, BackendKind, CacheMode};
 use crate::error::Error;
@@ -66,13 +67,17 @@ impl Backend {
             if !image.container.activate()? {
                 return Ok(false);
             }
-            if let Err(e) = image.hand_over(true) {
-                // Not served: the locks go back, for the other daemon to take again.
-                let _ = image.container.deactivate();
-                return Err(qcow2_error(
-                    self,
-                    format!("taking the image over: {e} (the daemon's log tells more)"),
-                ));
+            match image.hand_over(true) {
+                // The size its header records now (another program may have resized it).
+                Ok(size) => self.size.store(size, Ordering::Relaxed),
+                Err(e) => {
+                    // Not served: the locks go back, for the other daemon to take again.
+                    let _ = image.container.deactivate();
+                    return Err(qcow2_error(
+                        self,
+                        format!("taking the image over: {e} (the daemon's log tells more)"),
+                    ));
+                }
             }
             return Ok(true);
         }

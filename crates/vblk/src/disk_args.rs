@@ -54,7 +54,11 @@ pub struct DiskArgs {
     /// export locks 100, 101 and 201, as a QEMU virtio-blk disk does). `on` refuses an
     /// image that another vblk, QEMU or qemu-storage-daemon writes, or whose reader there
     /// keeps writers out, and names the lock and its holder; read-only exports share with
-    /// readers. `off` takes and checks no locks, like QEMU's locking=off. There is no
+    /// readers. A writable disk whose frontend has left makes the image durable and lets
+    /// the write locks go until a frontend starts a ring again (then it takes them back,
+    /// re-reads the image and its size, and refuses while another writer holds them): a
+    /// paused VM's migration, or `qemu-img` on an idle disk, can have the image meanwhile.
+    /// `off` takes and checks no locks, like QEMU's locking=off. There is no
     /// `auto`: QEMU's auto means on wherever OFD locks exist, which is every Linux vblk
     /// runs on.
     #[arg(long, value_name = "MODE", value_enum, default_value_t = LockArg::On)]

@@ -156,19 +156,7 @@ fn a_daemon_without_a_frontend_lets_the_image_go() {
         q.flush_sync().map_err(|e| e.to_string())
     };
     write(&first.socket, 7).unwrap();
-    let released = |want: &[u64]| {
-        let t0 = Instant::now();
-        while locked_bytes(&img) != want {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "locks {:?}, not {want:?}: {}",
-                locked_bytes(&img),
-                first.describe()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    };
-    released(&[]);
+    wait_for_locks(&img, &[], &first);
     assert!(fs::read(&img).unwrap()[..4096].iter().all(|&b| b == 7));
     // Another writer may take it now; the first daemon's next frontend is refused.
     let second = vblk(dir.path(), "second", &img, &[]);
@@ -180,8 +168,145 @@ fn a_daemon_without_a_frontend_lets_the_image_go() {
     drop(second);
     // The second has gone: a frontend of the first takes the image back.
     write(&first.socket, 10).unwrap();
-    released(&[]);
+    wait_for_locks(&img, &[], &first);
     assert!(fs::read(&img).unwrap()[..4096].iter().all(|&b| b == 10));
+}
+
+/// A qcow2 image an outside program resized while the daemon held no lock on it (no
+/// frontend attached): the next frontend is served the image at its new size, with what
+/// the program wrote. It was refused until the daemon restarted ("another writer still
+/// holds the image"): taking the image over refused a changed virtual size.
+#[test]
+fn a_qcow2_resized_while_no_frontend_holds_it_is_served_at_its_new_size() {
+    let dir = temp_dir("locking");
+    let d = dir.path();
+    let img = d.join("disk.qcow2");
+    qemu_tool(
+        d,
+        "qemu-img",
+        &["create", "-f", "qcow2", "disk.qcow2", "16M"],
+    );
+    let daemon = vblk(d, "q", &img, &["--format", "qcow2"]);
+    let disk = Disk::attach(&daemon.socket, &DiskOptions::default()).unwrap();
+    let mut q = disk.take_queue(0).unwrap();
+    q.write_at(0, &[7; 4096]).unwrap();
+    q.flush_sync().unwrap();
+    drop((q, disk));
+    wait_for_locks(&img, &[], &daemon);
+    qemu_tool(d, "qemu-img", &["resize", "disk.qcow2", "32M"]);
+    qemu_tool(d, "qemu-io", &["-c", "write -P 0x5a 20M 64k", "disk.qcow2"]);
+    let disk = Disk::attach(&daemon.socket, &DiskOptions::default()).unwrap();
+    // The frontend read the old capacity with the configuration; the daemon tells it the
+    // new one when it takes the image over, as its ring starts.
+    let t0 = Instant::now();
+    while disk.capacity_bytes() != 32 * MIB {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "capacity {}, not {}: {}",
+            disk.capacity_bytes(),
+            32 * MIB,
+            daemon.describe()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut q = disk
+        .take_queue(0)
+        .unwrap_or_else(|| panic!("no queue: {}", daemon.describe()));
+    let mut buf = vec![0u8; 65536];
+    q.read_at(20 * MIB, &mut buf)
+        .unwrap_or_else(|e| panic!("reading what qemu-io wrote: {e}: {}", daemon.describe()));
+    assert!(
+        buf.iter().all(|&b| b == 0x5a),
+        "qemu-io's write is not read"
+    );
+    q.read_at(0, &mut buf[..4096]).unwrap();
+    assert!(
+        buf[..4096].iter().all(|&b| b == 7),
+        "the first write is lost"
+    );
+    q.write_at(31 * MIB, &[8; 4096]).unwrap();
+    q.flush_sync().unwrap();
+}
+
+/// `vblk disk resize` right after a frontend left, while the daemon lets the image go
+/// (a qcow2's metadata written and synced): the resize waits for that and takes the
+/// image back. It failed with EIO ("handed over to another daemon") when it came in
+/// between.
+#[test]
+fn a_resize_right_after_the_frontend_leaves_is_not_refused() {
+    let dir = temp_dir("locking");
+    let d = dir.path();
+    let img = d.join("disk.qcow2");
+    qemu_tool(
+        d,
+        "qemu-img",
+        &["create", "-f", "qcow2", "disk.qcow2", "16M"],
+    );
+    let ctl = d.join("ctl.sock");
+    let daemon = vblk(
+        d,
+        "q",
+        &img,
+        &[
+            "--format",
+            "qcow2",
+            "--control-socket",
+            ctl.to_str().unwrap(),
+        ],
+    );
+    let mut size = 16 * MIB;
+    for round in 0..10u8 {
+        let disk = Disk::attach(&daemon.socket, &DiskOptions::default()).unwrap();
+        let mut q = disk.take_queue(0).unwrap();
+        // Allocating writes: the release has mappings to write and sync.
+        for k in 0..16 {
+            q.write_at(k * MIB + u64::from(round) * 65536, &[round; 4096])
+                .unwrap();
+        }
+        q.flush_sync().unwrap();
+        drop((q, disk));
+        size += MIB;
+        let (ok, out) = support::cli::vblk(&[
+            "disk",
+            "resize",
+            ctl.to_str().unwrap(),
+            "q",
+            &size.to_string(),
+        ]);
+        assert!(ok, "round {round}: {out}: {}", daemon.describe());
+    }
+    let disk = Disk::attach(&daemon.socket, &DiskOptions::default()).unwrap();
+    assert_eq!(disk.capacity_bytes(), size);
+}
+
+fn wait_for_locks(img: &Path, want: &[u64], daemon: &Daemon) {
+    let t0 = Instant::now();
+    while locked_bytes(img) != want {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "locks {:?}, not {want:?}: {}",
+            locked_bytes(img),
+            daemon.describe()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn qemu_tool(dir: &Path, program: &str, args: &[&str]) {
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{program} could not run ({e}): install qemu-utils (`apt-get install qemu-utils`)"
+            )
+        });
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

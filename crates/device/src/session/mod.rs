@@ -299,6 +299,13 @@ impl Session {
                 if let Some(wb) = self.disk.remembered_writeback() {
                     self.blk.writeback.store(wb, Ordering::Relaxed);
                 }
+                // Another program may have resized the image while nobody here held it
+                // (`qemu-img resize` while no frontend was attached): the frontend read
+                // the old capacity with the configuration and learns the new one now.
+                let sectors = self.disk.size() >> proto::wire::SECTOR_SHIFT;
+                if sectors != self.capacity() {
+                    self.capacity_changed(sectors);
+                }
                 info!(
                     "took the image over (its write locks): queue {index} starts; the guest's cache is {}",
                     if self.blk.writeback.load(Ordering::Relaxed) {
@@ -310,7 +317,7 @@ impl Session {
                 Ok(())
             }
             Err(e) => Err(refuse(format!(
-                "queue {index} cannot start: another writer still holds the image: {e}"
+                "queue {index} cannot start: the image cannot be taken over: {e}"
             ))),
         }
     }

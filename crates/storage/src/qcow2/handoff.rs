@@ -48,10 +48,13 @@ impl Owner {
         Ok(())
     }
 
-    /// Take the image over: its metadata read again, every slice forgotten.
-    pub(crate) fn activate(&mut self, src: &FileIo<'_>) -> io::Result<()> {
+    /// Take the image over: its metadata read again, every slice forgotten. The virtual
+    /// size the header records now is returned: another program may have resized the
+    /// image while this daemon held no lock on it (`qemu-img resize` while no frontend
+    /// was attached); the disk takes that size, as a raw file's does.
+    pub(crate) fn activate(&mut self, src: &FileIo<'_>) -> io::Result<u64> {
         if !self.inactive {
-            return Ok(());
+            return Ok(self.meta.header().size);
         }
         let fail = |why: String| io::Error::other(format!("taking the image over: {why}"));
         let file_size = src.size()?;
@@ -59,14 +62,21 @@ impl Owner {
         let mut head = vec![0u8; file_size.min(2 << 20) as usize];
         src.read_exact_at(&mut head, 0)?;
         let header = Header::parse(&head, file_size).map_err(|e| fail(e.to_string()))?;
-        if (header.size, header.cluster_bits) != (old.size, old.cluster_bits) {
+        if header.cluster_bits != old.cluster_bits {
+            // The workers' translation table is cut in slices of the old clusters.
             return Err(fail(format!(
-                "its virtual size or cluster size changed while another program wrote it ({} bytes in clusters of {}, now {} in clusters of {})",
-                old.size,
+                "its cluster size changed while another program wrote it (clusters of {}, now of {}): the image was made again; restart the daemon to serve it",
                 old.cluster_size(),
-                header.size,
                 header.cluster_size()
             )));
+        }
+        if header.size != old.size {
+            log::warn!(
+                "{}: its virtual size changed while another program held it: {} bytes, now {}",
+                self.name,
+                old.size,
+                header.size
+            );
         }
         let loads = self.meta.loads;
         let mut meta = Meta::open(src, header.clone(), self.meta.capacity())
@@ -83,6 +93,6 @@ impl Owner {
             "{}: taken over: metadata read again ({file_size} bytes of file)",
             self.name
         );
-        Ok(())
+        Ok(self.meta.header().size)
     }
 }

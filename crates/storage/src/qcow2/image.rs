@@ -136,17 +136,23 @@ impl Image {
         if !self.writable {
             return Ok(());
         }
-        self.ask(|reply| Job::Flush { sub: 0, reply })
+        self.ask(|reply| Job::Flush { sub: 0, reply }).map(drop)
     }
 
     /// Take the image over from another daemon (`active`: its metadata read again), or
     /// let go of it (everything durable, no more writes): qcow2/handoff.rs. The caller
     /// holds, or has just released, the file's write locks. Nothing for a read-only image.
-    pub(crate) fn hand_over(&self, active: bool) -> std::io::Result<()> {
+    /// Taking over adopts the virtual size the header now records (another program may
+    /// have resized the image while this daemon held no lock on it): returned.
+    pub(crate) fn hand_over(&self, active: bool) -> std::io::Result<u64> {
         if !self.writable {
-            return Ok(());
+            return Ok(self.size());
         }
-        self.ask(|reply| Job::Handoff { active, reply })
+        let size = self.ask(|reply| Job::Handoff { active, reply })?;
+        if active {
+            self.size.store(size, Ordering::Relaxed);
+        }
+        Ok(self.size())
     }
 
     /// Grow the image to `size` bytes (qcow2/resize.rs); blocks until the owner has
@@ -164,7 +170,7 @@ impl Image {
 
     /// Send the owner the job `make` builds and wait for its answer (checking every
     /// second that the owner still runs).
-    fn ask(&self, make: impl FnOnce(Arc<Mailbox>) -> Job) -> std::io::Result<()> {
+    fn ask(&self, make: impl FnOnce(Arc<Mailbox>) -> Job) -> std::io::Result<u64> {
         let reply = Arc::new(Mailbox::new(1)?);
         if self.jobs().send(make(Arc::clone(&reply))).is_err() {
             return Err(std::io::Error::from_raw_os_error(libc::EIO));
@@ -180,9 +186,7 @@ impl Image {
             unsafe { libc::poll(&mut pfd, 1, 1000) };
             reply.take(&mut answers);
             if let Some(Answer::Done { result, .. }) = answers.pop_front() {
-                return result
-                    .map(|_| ())
-                    .map_err(std::io::Error::from_raw_os_error);
+                return result.map_err(std::io::Error::from_raw_os_error);
             }
             if !self.owner_alive() {
                 return Err(std::io::Error::from_raw_os_error(libc::EIO));

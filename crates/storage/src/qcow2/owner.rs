@@ -314,16 +314,14 @@ impl Owner {
                         active: true,
                         reply,
                     } => (self.activate(src), reply),
-                    Job::Handoff { reply, .. } => (self.deactivate(src), reply),
-                    Job::Resize { size, reply } => (self.grow(src, size), reply),
+                    Job::Handoff { reply, .. } => (self.deactivate(src).map(|()| 0), reply),
+                    Job::Resize { size, reply } => (self.grow(src, size).map(|()| size), reply),
                     _ => return,
                 };
                 if let Err(e) = &result {
                     log::error!("{}: {e}", self.name);
                 }
-                let result = result
-                    .map(|()| 0)
-                    .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO));
+                let result = result.map_err(|e| e.raw_os_error().unwrap_or(libc::EIO));
                 self.outbox
                     .push((reply, Answer::Done { sub: 0, result }, false));
             }
