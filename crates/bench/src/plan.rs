@@ -340,7 +340,7 @@ fn run_one(
         }
     }
     let (target, run) = (&target, &run);
-    let t = Target::open(target, jobs as u16)?;
+    let t = Target::open(target, jobs as u16, job.rw.writes())?;
     let progress = Progress::default();
     let expected = job.runtime.map(|r| r + job.ramp_time);
     let started = Instant::now();

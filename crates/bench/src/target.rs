@@ -112,11 +112,14 @@ pub struct Geometry {
 }
 
 impl Target {
-    /// Open `spec`; an embedded device gets `queues` virtqueues.
-    pub fn open(spec: &TargetSpec, queues: u16) -> Result<Target, String> {
+    /// Open `spec`; an embedded device gets `queues` virtqueues. A job that does not
+    /// write opens the embedded device's or the baseline's disk read-only (as fio opens
+    /// a read job's file): a file the user may only read can be read.
+    pub fn open(spec: &TargetSpec, queues: u16, writes: bool) -> Result<Target, String> {
         match spec {
             TargetSpec::Embedded(cfg) => {
                 let mut cfg = EmbeddedDevice::clone(cfg);
+                cfg.device.read_only |= !writes;
                 cfg.device.num_queues = queues.max(1);
                 cfg.daemon.threads = cfg.daemon.threads.clamp(1, usize::from(queues.max(1)));
                 let dir = tempfile::tempdir().map_err(|e| format!("temp dir: {e}"))?;
@@ -175,7 +178,7 @@ impl Target {
                 let b = Backend::open(
                     disk,
                     &OpenOptions {
-                        read_only: false,
+                        read_only: !writes,
                         cache: *cache,
                         prealloc: true,
                         engine_threads: *engine_threads,

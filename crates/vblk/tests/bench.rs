@@ -402,3 +402,42 @@ fn section_picks_jobs_from_a_job_file() {
         "{err}"
     );
 }
+
+/// A read job on a file its user may only read (fio opens a read job's file read-only):
+/// the embedded device and the baseline open it read-only, and the job runs. It failed
+/// with "Permission denied" (the file was always opened for writing); a write job there
+/// still fails, naming the file.
+#[test]
+fn a_read_job_reads_a_file_its_user_may_only_read() {
+    use std::os::unix::fs::PermissionsExt;
+    support::assets::require_programs(&[("setpriv", "util-linux")]);
+    let dir = temp_dir("bench-ro");
+    // The temp dir must be traversable by nobody; the file is readable, not writable.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let img = dir.path().join("ro.img");
+    std::fs::write(&img, vec![0x33u8; 4 << 20]).unwrap();
+    std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o444)).unwrap();
+    let run = |extra: &[&str]| {
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(env!("CARGO_BIN_EXE_vblk"))
+            .args(["--log-level", "warn", "bench", "--disk"])
+            .arg(&img)
+            .args(["--bs=4k", "--size=4m", "--runtime=200ms", "--time_based"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    for path in [&["--rw=randread"][..], &["--rw=read", "--baseline"][..]] {
+        let (ok, text) = run(path);
+        assert!(ok, "{path:?}: {text}");
+        assert!(text.contains("IOPS="), "{path:?}: {text}");
+    }
+    let (ok, text) = run(&["--rw=randwrite"]);
+    assert!(!ok && text.contains("ro.img"), "{text}");
+}
