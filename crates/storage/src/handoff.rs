@@ -64,7 +64,7 @@ impl Backend {
     pub fn activate(&self) -> Result<bool, Error> {
         if let Some(image) = self.qcow2() {
             // The locks first, then the metadata, read again under them.
-            if !image.container.activate()? {
+            if !image.container.take_locks(true)? {
                 return Ok(false);
             }
             match image.hand_over(true) {
@@ -81,6 +81,13 @@ impl Backend {
             }
             return Ok(true);
         }
+        self.take_locks(false)
+    }
+
+    /// [`Backend::activate`] of a file: the locks, the page cache dropped, the size read
+    /// again; of the file that holds a qcow2 image (`format_file`), whose size need not be
+    /// a whole number of sectors.
+    fn take_locks(&self, format_file: bool) -> Result<bool, Error> {
         let mut h = self.holding.lock().unwrap_or_else(|p| p.into_inner());
         if *h != Holding::Inactive {
             return Ok(false);
@@ -99,7 +106,13 @@ impl Backend {
             // SAFETY: posix_fadvise on our own descriptor; it takes no pointers.
             unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         }
-        if let Err(e) = self.refresh_size(true) {
+        if format_file {
+            // The qcow2 layer reads the file's size as it needs it; this is for stats (a
+            // block device's does not change under it).
+            if let (BackendKind::File, Ok(m)) = (self.kind(), file.metadata()) {
+                self.size.store(m.len(), Ordering::Relaxed);
+            }
+        } else if let Err(e) = self.refresh_size(true) {
             log::warn!("activating {}: {e}", path.display());
         }
         Ok(true)
