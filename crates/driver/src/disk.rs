@@ -337,6 +337,7 @@ fn protocol_names(p: VhostUserProtocolFeatures) -> Vec<String> {
     [
         (VhostUserProtocolFeatures::MQ, "MQ"),
         (VhostUserProtocolFeatures::REPLY_ACK, "REPLY_ACK"),
+        (VhostUserProtocolFeatures::BACKEND_REQ, "BACKEND_REQ"),
         (VhostUserProtocolFeatures::CONFIG, "CONFIG"),
         (
             VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,

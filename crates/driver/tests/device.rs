@@ -34,9 +34,16 @@ fn info_reports_what_the_device_offers() {
     for f in ["FLUSH", "DISCARD", "WRITE_ZEROES", "MQ", "VERSION_1"] {
         assert!(i.feature_names.iter().any(|n| n == f), "{f} missing");
     }
+    // Every protocol feature negotiated is named (BACKEND_REQ, bit 5, was left out).
     assert_eq!(
         i.protocol_feature_names,
-        ["MQ", "REPLY_ACK", "CONFIG", "CONFIGURE_MEM_SLOTS"]
+        ["MQ", "REPLY_ACK", "BACKEND_REQ", "CONFIG", "CONFIGURE_MEM_SLOTS"]
+    );
+    assert_eq!(
+        i.protocol_feature_names.len() as u32,
+        i.protocol_features.count_ones(),
+        "{:#x}",
+        i.protocol_features
     );
 }
 
