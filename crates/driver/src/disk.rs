@@ -1,6 +1,7 @@
 //! Attaching to a vhost-user-blk device: negotiation, shared memory, queues.
 
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path as FsPath;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -364,8 +365,17 @@ impl Disk {
                 ),
             ));
         }
-        let stream = UnixStream::connect(socket)
-            .map_err(|e| Error::os(ErrorKind::Connect, &format!("cannot connect to {name}"), e))?;
+        let stream = UnixStream::connect(socket).map_err(|e| {
+            // connect(2) says "Connection refused" for a path that is no socket at all.
+            let what = match std::fs::metadata(socket) {
+                Ok(m) if !m.file_type().is_socket() => format!(
+                    "cannot connect to {name}: it is not a socket (a {})",
+                    if m.is_dir() { "directory" } else { "file" }
+                ),
+                _ => format!("cannot connect to {name}"),
+            };
+            Error::os(ErrorKind::Connect, &what, e)
+        })?;
         // The vhost crate waits for replies without a deadline; a watchdog shuts the
         // socket down if the handshake outlives `attach_timeout`, which turns a silent
         // device into an error instead of a hang.

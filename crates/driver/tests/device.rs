@@ -37,7 +37,13 @@ fn info_reports_what_the_device_offers() {
     // Every protocol feature negotiated is named (BACKEND_REQ, bit 5, was left out).
     assert_eq!(
         i.protocol_feature_names,
-        ["MQ", "REPLY_ACK", "BACKEND_REQ", "CONFIG", "CONFIGURE_MEM_SLOTS"]
+        [
+            "MQ",
+            "REPLY_ACK",
+            "BACKEND_REQ",
+            "CONFIG",
+            "CONFIGURE_MEM_SLOTS"
+        ]
     );
     assert_eq!(
         i.protocol_feature_names.len() as u32,
@@ -398,4 +404,24 @@ fn a_device_that_hangs_up_at_once_is_a_clear_error() {
         e.to_string().starts_with("SET_OWNER") || e.to_string().starts_with("GET_FEATURES"),
         "{e}"
     );
+}
+
+/// A path that is no socket is named as such (connect(2) says only "Connection refused").
+#[test]
+fn a_path_that_is_not_a_socket_is_named_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("disk.img");
+    std::fs::write(&file, [0u8; 512]).unwrap();
+    for (path, what) in [
+        (&file, "a file"),
+        (&dir.path().to_path_buf(), "a directory"),
+    ] {
+        let e = Disk::attach(path, &DiskOptions::default()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Connect);
+        let text = e.to_string();
+        assert!(
+            text.contains(&format!("it is not a socket ({what})")),
+            "{text}"
+        );
+    }
 }
