@@ -250,7 +250,15 @@ pub fn apply_option(spec: &mut JobSpec, key: &str, value: Option<&str>) -> Resul
         "iodepth_batch_complete" | "iodepth_batch_complete_min" => {
             spec.iodepth_batch_complete = parse_count(need()?, 0)?
         }
-        "numjobs" => spec.numjobs = parse_count(need()?, 1)?,
+        "numjobs" => {
+            spec.numjobs = parse_count(need()?, 1)?;
+            if spec.numjobs > 256 {
+                return Err(format!(
+                    "numjobs={}: at most 256 (each job clone has a queue of its own, and vhost-user numbers queues with 8 bits)",
+                    spec.numjobs
+                ));
+            }
+        }
         "rwmixread" => spec.rwmixread = parse_percent(need()?)?,
         "rwmixwrite" => spec.rwmixread = 100 - parse_percent(need()?)?,
         "size" => spec.size = Some(parse_region_size(need()?)?),

@@ -220,6 +220,12 @@ fn regions(
     notes: &mut Vec<String>,
 ) -> Result<Vec<(u64, u64)>, String> {
     let offset = spec.offset.next_multiple_of(geo.block);
+    if offset != spec.offset {
+        notes.push(format!(
+            "offset {} is not a multiple of the device's {}-byte blocks; using {offset}",
+            spec.offset, geo.block
+        ));
+    }
     if offset >= geo.capacity {
         return Err(format!(
             "offset {} is at or past the end of the device ({} bytes)",
@@ -281,6 +287,12 @@ pub fn run_job(
         .iter()
         .map(|o| format!("option {o} ignored"))
         .collect();
+    if depth > usize::from(cfg.queue_size) {
+        notes.push(format!(
+            "iodepth={depth} is more than the queue's {} entries: at most {} I/Os are in flight per job (--queue-size raises it, up to 32768)",
+            cfg.queue_size, cfg.queue_size
+        ));
+    }
     let regions = regions(spec, geo, &mut notes)?;
     let barrier = Arc::new(Barrier::new(clones + 1));
     let start = Instant::now() + Duration::from_millis(20);
@@ -353,6 +365,15 @@ pub fn run_job(
         (results, dev, help)
     });
     let clones_out = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+    if !spec.ramp_time.is_zero()
+        && !spec.time_based
+        && clones_out.iter().all(|c| c.read.ios + c.write.ios == 0)
+    {
+        return Err(format!(
+            "the job ended within its ramp time ({:?}): nothing was measured (a job bound by its size must outlast ramp_time: raise size, lower ramp_time, or add time_based with a runtime)",
+            spec.ramp_time
+        ));
+    }
     Ok(JobReport {
         spec: spec.clone(),
         clones: clones_out,

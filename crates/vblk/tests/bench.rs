@@ -441,3 +441,38 @@ fn a_read_job_reads_a_file_its_user_may_only_read() {
     let (ok, text) = run(&["--rw=randwrite"]);
     assert!(!ok && text.contains("ro.img"), "{text}");
 }
+
+/// What bench changes of a job it says, and a job that cannot be measured is an error:
+/// an offset off the block size is rounded up with a note, an iodepth above the queue's
+/// entries is capped with a note, numjobs above 256 names numjobs (it named
+/// --num-queues), and a job that ends within its ramp fails instead of reporting zeroes.
+#[test]
+fn what_bench_changes_it_says_and_what_it_cannot_measure_fails() {
+    let run = |args: &[&str]| {
+        let out = vblk()
+            .args(["bench", "--disk", "mem:16M", "--bs=4k"])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, text) = run(&["--offset=1000", "--iodepth=300", "--size=1m"]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("offset 1000 is not a multiple of the device's 512-byte blocks; using 1024"),
+        "{text}"
+    );
+    assert!(
+        text.contains("iodepth=300 is more than the queue's 256 entries"),
+        "{text}"
+    );
+    let (ok, text) = run(&["--numjobs=300"]);
+    assert!(!ok && text.contains("numjobs=300: at most 256"), "{text}");
+    assert!(!text.contains("--num-queues"), "{text}");
+    let (ok, text) = run(&["--size=1m", "--ramp_time=2s"]);
+    assert!(!ok && text.contains("ended within its ramp time"), "{text}");
+}
