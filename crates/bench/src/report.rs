@@ -26,6 +26,36 @@ fn mib(bytes_per_sec: f64) -> String {
     format!("{:.1}MiB/s", bytes_per_sec / (1 << 20) as f64)
 }
 
+/// An amount of bytes as fio's summary prints it: three significant figures in the
+/// largest binary unit that leaves at least one (7.81MiB, 8192B, 1.50GiB).
+fn bytes_text(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    let digits = if u == 0 || v >= 100.0 {
+        0
+    } else if v >= 10.0 {
+        1
+    } else {
+        2
+    };
+    format!("{v:.digits$}{}", UNITS[u])
+}
+
+/// A measured span in milliseconds, with a fraction below ten.
+fn msec_text(d: Duration) -> String {
+    let ms = d.as_secs_f64() * 1000.0;
+    if ms < 10.0 {
+        format!("{ms:.2}msec")
+    } else {
+        format!("{}msec", d.as_millis())
+    }
+}
+
 fn pct(cpu: Duration, runtime: Duration) -> f64 {
     if runtime.is_zero() {
         0.0
@@ -68,11 +98,11 @@ fn dir_text(out: &mut String, label: &str, d: &DirResult, runtime: Duration) {
     let secs = runtime.as_secs_f64().max(1e-9);
     let _ = writeln!(
         out,
-        "  {label}: IOPS={}, BW={} ({}MiB/{}msec)",
+        "  {label}: IOPS={}, BW={} ({}/{})",
         human(d.ios as f64 / secs),
         mib(d.bytes as f64 / secs),
-        d.bytes >> 20,
-        runtime.as_millis()
+        bytes_text(d.bytes),
+        msec_text(runtime)
     );
     lat_line(out, "slat", &d.slat);
     lat_line(out, "clat", &d.clat);
@@ -526,6 +556,19 @@ fn xml(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The amount moved is rounded to three figures, not cut to whole MiB (2000 I/Os of
+    /// 4 KiB showed as "7MiB", 8 KiB as "0MiB" in "0msec").
+    #[test]
+    fn the_amount_moved_and_its_span_keep_their_figures() {
+        assert_eq!(bytes_text(2000 * 4096), "7.81MiB");
+        assert_eq!(bytes_text(8192), "8.00KiB");
+        assert_eq!(bytes_text(512), "512B");
+        assert_eq!(bytes_text(150 << 20), "150MiB");
+        assert_eq!(bytes_text(3 << 30), "3.00GiB");
+        assert_eq!(msec_text(Duration::from_micros(400)), "0.40msec");
+        assert_eq!(msec_text(Duration::from_millis(1998)), "1998msec");
+    }
 
     #[test]
     fn paired_ratio_is_the_geometric_mean_of_the_rounds_ratios_with_its_interval() {
