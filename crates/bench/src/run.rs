@@ -405,6 +405,18 @@ fn overlaps_in_flight(slots: &[Slot], free: &[usize], u: &IoUnit) -> bool {
     })
 }
 
+/// Fill `buf` with pseudo-random bytes from `seed` (xorshift64*; never all zero).
+fn fill_random(buf: &mut [u8], seed: u64) {
+    let mut x = seed | 1;
+    for chunk in buf.chunks_mut(8) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let v = x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+}
+
 /// Nanoseconds on `CLOCK_MONOTONIC`, the clock [`Instant`] reads on Linux, as one integer.
 /// The loop takes two timestamps per I/O and one per batch of completions, and subtracts
 /// them: on `Instant` each subtraction normalises two (seconds, nanoseconds) pairs and
@@ -473,6 +485,16 @@ fn run_clone(
     let mut pacer = Pacer::of(spec, w.start);
     // The next I/O, drawn but held back by the rate.
     let mut pending = None;
+    if spec.rw.writes() && !verifying {
+        // Written payloads are pseudo-random bytes, filled once, as fio's buffers are by
+        // default: a target that compresses, deduplicates or skips zeroes must not be
+        // handed zeroes (they were all zero). A mixed job's write may carry what a read
+        // brought into its buffer, as in fio.
+        let max = gen.max_block() as usize;
+        for slot in 0..depth {
+            fill_random(lane.buf(slot, max), seed ^ ((slot as u64) << 32));
+        }
+    }
     std::thread::sleep(w.start.saturating_duration_since(Instant::now()));
     loop {
         let now = Instant::now();

@@ -476,3 +476,32 @@ fn what_bench_changes_it_says_and_what_it_cannot_measure_fails() {
     let (ok, text) = run(&["--size=1m", "--ramp_time=2s"]);
     assert!(!ok && text.contains("ended within its ramp time"), "{text}");
 }
+
+/// A write job writes pseudo-random bytes, as fio does by default (it wrote zeroes, which
+/// a target that compresses, deduplicates or skips zeroes serves faster than data).
+#[test]
+fn a_write_job_writes_data_not_zeroes() {
+    let dir = temp_dir("bench-payload");
+    let img = dir.path().join("disk.img");
+    std::fs::write(&img, vec![0u8; 4 << 20]).unwrap();
+    let out = vblk()
+        .args(["bench", "--disk"])
+        .arg(&img)
+        .args(["--rw=write", "--bs=64k", "--iodepth=4", "--size=4m"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let data = std::fs::read(&img).unwrap();
+    let zero_blocks = data
+        .chunks(4096)
+        .filter(|b| b.iter().all(|&x| x == 0))
+        .count();
+    assert_eq!(
+        zero_blocks, 0,
+        "{zero_blocks} of 1024 blocks written as zeroes"
+    );
+}
