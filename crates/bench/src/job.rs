@@ -161,6 +161,10 @@ pub struct JobSpec {
     /// vblk extension `fua=1`: writes are Force Unit Access (complete only once durable;
     /// the driver adds a flush after each on a device with a volatile cache).
     pub fua: bool,
+    /// `direct=` (or `buffered=`, its opposite), if the job says: `vblk bench` opens the
+    /// embedded device's or the baseline's file with O_DIRECT for `direct=1` unless
+    /// `--cache` says otherwise (the cache is the target's, shared by the jobs).
+    pub direct: Option<bool>,
     /// Names of fio options that were accepted and have no effect here, in first-seen order,
     /// without duplicates.
     pub ignored: Vec<String>,
@@ -190,6 +194,7 @@ impl Default for JobSpec {
             rate: [0, 0],
             path: None,
             fua: false,
+            direct: None,
             ignored: Vec::new(),
         }
     }
@@ -283,6 +288,8 @@ pub fn apply_option(spec: &mut JobSpec, key: &str, value: Option<&str>) -> Resul
         "rate_process" if value.map(str::trim) == Some("linear") => spec.ignore(key),
         "path" => spec.path = Some(need()?.to_string()),
         "fua" => spec.fua = parse_flag(value)?,
+        "direct" => spec.direct = Some(parse_flag(value)?),
+        "buffered" => spec.direct = Some(!parse_flag(value)?),
         _ => {
             let other = if harmless(key) {
                 Other::Ignore

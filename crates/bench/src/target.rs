@@ -200,9 +200,14 @@ impl Target {
     pub fn describe(&self) -> String {
         match &self.spec {
             TargetSpec::Embedded(c) => format!(
-                "embedded vblk device: {}, engine {}, {} worker(s), poll {} µs{}",
+                "embedded vblk device: {}, engine {}{}, {} worker(s), poll {} µs{}",
                 c.disk,
                 engine_label(c.engine, c.engine_threads),
+                if matches!(c.disk, storage::DiskSpec::File(_)) {
+                    format!(" (cache {})", c.cache)
+                } else {
+                    String::new()
+                },
                 c.daemon.threads,
                 c.daemon.poll_us,
                 if c.daemon.coalesce_us > 0 {

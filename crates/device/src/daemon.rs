@@ -116,6 +116,12 @@ impl Controls {
         let _ = self.efd.write(1);
     }
 
+    /// Wake the disk's thread with nothing asked: what waits there for the fence (a
+    /// hand-over, a release of the image) looks again.
+    pub(crate) fn poke(&self) {
+        let _ = self.efd.write(1);
+    }
+
     pub(crate) fn stopping(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
     }

@@ -60,6 +60,10 @@ pub(crate) struct DiskShared {
     /// that came while the last frontend's release was under way found the disk still
     /// active, and then the image let go under it (EIO).
     pub image_turn: Mutex<()>,
+    /// The image was let go at a migration's switchover (and not taken back since): a
+    /// frontend that starts a ring here again is the way back, and waits for the other
+    /// daemon's locks as a destination does.
+    pub handed_over: Arc<AtomicBool>,
 }
 
 /// A disk's QoS: its own limits, its group's, and the mailboxes of the workers that serve
@@ -157,6 +161,7 @@ impl DiskShared {
             spec,
             throttle: Mutex::new(throttle),
             image_turn: Mutex::new(()),
+            handed_over: Arc::new(AtomicBool::new(false)),
         }
     }
 }
@@ -309,6 +314,7 @@ impl RunningDisk {
             spec,
         ));
         let controls = Arc::new(Controls::new()?);
+        shared.fence.set_waker(controls.clone());
         let (s, c) = (shared.clone(), controls.clone());
         let thread = std::thread::Builder::new()
             .name(format!("vblk-disk-{}", shared.id))
@@ -423,6 +429,9 @@ fn accept_loop(
                 if controls.take_resize() {
                     resize(shared, None);
                 }
+                // The fence may have cleared since the last frontend left: let the image go
+                // now (nothing here if it is let go already, or still fenced).
+                release_image(shared, controls);
                 continue;
             }
             Wake::Socket => {}
@@ -486,6 +495,9 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
                 if controls.take_resize() {
                     resize(shared, Some(&mut session));
                 }
+                // A switchover that waited for requests still at the disk goes on once
+                // they have ended.
+                session.hand_over_if_waiting();
                 continue;
             }
             Err(e) => {
@@ -538,9 +550,11 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
 /// the source's QEMU has gone (as QEMU inactivates its images at the end of every
 /// migration). Kept while requests of the session may still reach the disk (the reset
 /// fence holds some, or a worker of it still exists, whose engine may hold some that no
-/// fence counts yet), and when the daemon stops (it closes the image anyway).
+/// fence counts yet) until they have ended (the fence pokes the disk's thread, which
+/// calls this again), and when the daemon stops (it closes the image anyway).
 fn release_image(shared: &DiskShared, controls: &Controls) {
-    if controls.stopping() || shared.fence.old() > 0 || shared.fence.workers() > 0 {
+    // Retried when the fence clears (it pokes the disk's thread).
+    if controls.stopping() || !shared.fence.clear() {
         return;
     }
     let _turn = shared.image_turn.lock().unwrap_or_else(|p| p.into_inner());

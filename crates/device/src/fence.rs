@@ -21,9 +21,10 @@
 //! turn a slow disk into a guest's file system errors.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use crate::daemon::Controls;
 use crate::stats::FenceStats;
 
 /// Old requests, daemon-wide.
@@ -34,6 +35,10 @@ pub(crate) struct Fence {
     /// engine that no fence counts yet, while its thread is busy.
     workers: AtomicUsize,
     stats: Arc<FenceStats>,
+    /// The disk's controls, poked when the last old request or worker is gone: the image
+    /// is let go only then (a migration's switchover, a frontend that left), and the
+    /// disk's thread waits for that.
+    waker: OnceLock<Arc<Controls>>,
 }
 
 impl Fence {
@@ -42,6 +47,24 @@ impl Fence {
             old: AtomicUsize::new(0),
             workers: AtomicUsize::new(0),
             stats,
+            waker: OnceLock::new(),
+        }
+    }
+
+    /// Poke `controls` whenever the fence becomes clear.
+    pub(crate) fn set_waker(&self, controls: Arc<Controls>) {
+        let _ = self.waker.set(controls);
+    }
+
+    /// Nothing old is out and no worker exists: nothing this disk took can still reach
+    /// it.
+    pub(crate) fn clear(&self) -> bool {
+        self.old() == 0 && self.workers() == 0
+    }
+
+    fn poke(&self) {
+        if let Some(c) = self.waker.get() {
+            c.poke();
         }
     }
 
@@ -49,8 +72,8 @@ impl Fence {
     pub(crate) fn worker(&self, made: bool) {
         if made {
             self.workers.fetch_add(1, Ordering::AcqRel);
-        } else {
-            self.workers.fetch_sub(1, Ordering::AcqRel);
+        } else if self.workers.fetch_sub(1, Ordering::AcqRel) == 1 && self.old() == 0 {
+            self.poke();
         }
     }
 
@@ -75,6 +98,9 @@ impl Fence {
             self.stats
                 .old_requests
                 .store(before.saturating_sub(n) as u64, Ordering::Relaxed);
+            if before == n {
+                self.poke();
+            }
         }
     }
 

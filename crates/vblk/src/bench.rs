@@ -17,7 +17,8 @@ use storage::{CacheMode, DiskSpec, EngineKind};
 /// runs 4 KiB random reads at queue depth 32 on each I/O path, and prints a comparison.
 ///
 /// Jobs come from fio job files (`[global]` and named sections; options vblk does not
-/// support are reported once as ignored) and/or the fio-named flags below, which apply to
+/// support are named as ignored in each job's notes; direct=1 opens the disk with
+/// O_DIRECT unless --cache is given) and/or the fio-named flags below, which apply to
 /// every job. Targets: the embedded device (default; --disk, --engine, --engine-threads,
 /// --poll-us, --coalesce-us, --threads, --cache), any vhost-user-blk socket (--socket,
 /// --device-pid), or --baseline: the same job straight on the disk through the engine with
@@ -137,8 +138,9 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = storage::DEFAULT_ENGINE_THREADS)]
     pub engine_threads: usize,
     /// Host cache of the embedded device or the baseline: none (O_DIRECT), writeback.
-    #[arg(long, value_name = "MODE", default_value = "writeback")]
-    pub cache: String,
+    /// [default: writeback; none when a job says direct=1, as fio's O_DIRECT does]
+    #[arg(long, value_name = "MODE")]
+    pub cache: Option<String>,
     /// The embedded device's image format, as `vblk serve --format`: raw, or qcow2
     /// (with --backing for its chain) [default: a raw file; one that looks like another
     /// format is refused].
@@ -318,9 +320,11 @@ impl TryFrom<&BenchArgs> for Plan {
             .engine
             .parse()
             .map_err(|e: storage::Error| format!("--engine: {e}"))?;
-        let cache: CacheMode = a
+        let cache: Option<CacheMode> = a
             .cache
-            .parse()
+            .as_deref()
+            .map(str::parse)
+            .transpose()
             .map_err(|e: storage::Error| format!("--cache: {e}"))?;
         let format = match a.output_format.as_str() {
             "normal" => Format::Normal,
@@ -368,6 +372,23 @@ impl TryFrom<&BenchArgs> for Plan {
                 apply_option(j, k, *v).map_err(|e| format!("--{k}: {e}"))?;
             }
             j.finish();
+        }
+        // A job's direct=1 means O_DIRECT unless --cache says otherwise; the cache is the
+        // target's, shared by every job.
+        let direct = jobs.iter().any(|j| j.direct == Some(true));
+        let cache = cache.unwrap_or(if direct {
+            CacheMode::None
+        } else {
+            CacheMode::Writeback
+        });
+        for j in &mut jobs {
+            let wants_direct = j.direct == Some(true);
+            if j.direct.is_some() && wants_direct != (cache == CacheMode::None) {
+                j.ignored.push(format!(
+                    "{} (--cache {cache} is the target's, for every job)",
+                    if wants_direct { "direct=1" } else { "direct=0" }
+                ));
+            }
         }
         let target = if let Some(path) = &a.socket {
             TargetSpec::Socket {

@@ -291,6 +291,97 @@ fn a_resize_right_after_the_frontend_leaves_is_not_refused() {
     assert_eq!(disk.capacity_bytes(), size);
 }
 
+/// A migration's switchover while the source's storage still holds a write (past the
+/// drain timeout, so the ring stop is answered with the write fenced): the source keeps
+/// the image's write locks until the write has landed, and the destination's ring start
+/// waits for them, so the destination's newer write lands after it. The source let go at
+/// once, the destination wrote, and the source's stale write landed over it seconds later
+/// (a guest's flushed data lost).
+#[test]
+fn a_write_still_at_the_disk_at_the_switchover_lands_before_the_destinations() {
+    use std::os::fd::AsRawFd;
+    use support::raw_frontend::{self as rf, pf, req, u64p};
+    use support::raw_ring::{self as rr, Guest, Ring};
+    let dir = temp_dir("locking");
+    let d = dir.path();
+    let img = image(d);
+    // The source holds every write 3 s before it reaches the file; a drain gives up after
+    // 1 s. The destination starts inactive.
+    let src = vblk(
+        d,
+        "src",
+        &img,
+        &[
+            "--delay-every",
+            "1:3000:hold-writes",
+            "--drain-timeout-secs",
+            "1",
+        ],
+    );
+    let dst = vblk(d, "dst", &img, &["--incoming"]);
+    // The source's frontend: a ring, dirty logging on, a write of 'X' to sector 8.
+    let mut c = rf::handshake(&src.socket, pf::MQ | pf::CONFIG | pf::LOG_SHMFD, true).unwrap();
+    let g = Guest::new(1 << 20, true, 0x1_0000_0000);
+    c.ok(
+        "SET_MEM_TABLE",
+        req::SET_MEM_TABLE,
+        &rf::mem_table(1, &[g.region()]),
+        &[g.fd()],
+    )
+    .unwrap();
+    let (kick, call) = (rr::eventfd(0, true), rr::eventfd(0, true));
+    let mut ring = Ring::new(0, 0);
+    ring.start(&mut c, &g, kick.as_raw_fd(), call.as_raw_fd())
+        .unwrap();
+    // A bitmap for memory at 4 GiB (256 KiB covers 8 GiB), then LOG_ALL.
+    let log = Guest::new(256 << 10, true, 0);
+    c.ok(
+        "SET_LOG_BASE",
+        req::SET_LOG_BASE,
+        &[u64p(256 << 10), u64p(0)].concat(),
+        &[log.fd()],
+    )
+    .unwrap();
+    let features = rf::VERSION_1 | rf::F_PROTOCOL_FEATURES | (1 << 26);
+    c.ok(
+        "SET_FEATURES (LOG_ALL)",
+        req::SET_FEATURES,
+        &u64p(features),
+        &[],
+    )
+    .unwrap();
+    ring.write_req(&g, 8, b'X', None);
+    rr::write_u64(kick.as_raw_fd(), 1).unwrap();
+    let sent = Instant::now();
+    // The switchover: the ring stops; the write is still held, so the stop is answered
+    // after the drain timeout with the write fenced.
+    c.call_flags(req::GET_VRING_BASE, rf::VERSION, &rf::state(0, 0), &[])
+        .unwrap();
+    // The destination's frontend writes 'Y' there and flushes.
+    let disk = Disk::attach(&dst.socket, &DiskOptions::default()).unwrap();
+    let mut q = disk.take_queue(0).unwrap();
+    q.write_at(8 * 512, &[b'Y'; 512]).unwrap();
+    q.flush_sync().unwrap();
+    // Until the source's write has surely landed, had it been let go.
+    std::thread::sleep(Duration::from_secs(5).saturating_sub(sent.elapsed()));
+    let bytes = fs::read(&img).unwrap();
+    assert!(
+        bytes[4096..4608].iter().all(|&b| b == b'Y'),
+        "the destination's write was overwritten by the source's ({:?}): {}\n{}",
+        bytes[4096] as char,
+        src.describe(),
+        dst.describe()
+    );
+    let log = src.log_text();
+    assert!(
+        log.contains(
+            "requests are still at the disk: the image's write locks are kept until they end"
+        ),
+        "{log}"
+    );
+    drop(c);
+}
+
 fn wait_for_locks(img: &Path, want: &[u64], daemon: &Daemon) {
     let t0 = Instant::now();
     while locked_bytes(img) != want {

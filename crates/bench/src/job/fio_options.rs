@@ -14,9 +14,7 @@ pub(super) enum Other {
 pub(super) fn harmless(key: &str) -> bool {
     matches!(
         key,
-        "direct"
-            | "buffered"
-            | "ioengine"
+        "ioengine"
             | "filename"
             | "filename_format"
             | "directory"

@@ -39,7 +39,8 @@ fn iometer_file_parses_unchanged() {
     assert_eq!(j.rwmixread, 80);
     assert_eq!(j.size, Some(Size::Bytes(4 << 30)));
     assert_eq!(j.iodepth, 256);
-    assert_eq!(j.ignored, ["direct", "ioengine"]);
+    assert_eq!(j.ignored, ["ioengine"]);
+    assert_eq!(j.direct, Some(true));
     // Everything else is fio's default.
     let defaults = JobSpec::default();
     assert_eq!(j.offset, defaults.offset);

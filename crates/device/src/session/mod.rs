@@ -26,7 +26,7 @@ use std::fs::File;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
 use proto::wire::feature;
@@ -36,6 +36,7 @@ use storage::Backend;
 use crate::blk::Blk;
 use crate::dirty_log::DirtyLog;
 use crate::disk::DiskShared;
+use crate::fence::Fence;
 use crate::inflight::InflightRegion;
 use crate::memory::GuestMemory;
 use crate::ring::{DeviceRing, RingAddrs};
@@ -82,6 +83,9 @@ struct Vring {
 }
 
 /// The device's side of one frontend connection.
+/// How often a ring start that waits for another writer's locks tries them again.
+const LOCK_RETRY: Duration = Duration::from_millis(20);
+
 pub(crate) struct Session {
     // Dropped (joined) first: workers hold requests that point into guest memory.
     workers: Vec<WorkerHandle>,
@@ -111,6 +115,16 @@ pub(crate) struct Session {
     lifecycle: Arc<LifecycleStats>,
     /// How long a ring stop may wait for its requests.
     drain_timeout: Duration,
+    /// The disk's reset fence: the image is handed over only once it holds nothing.
+    fence: Arc<Fence>,
+    /// A switchover came while requests were still at the disk: the hand-over waits for
+    /// them ([`Session::hand_over_if_waiting`]).
+    hand_over_waits: bool,
+    /// A migration's destination (`--incoming`): its ring starts wait for the source's
+    /// locks.
+    incoming: bool,
+    /// The disk's: the image was handed over at a switchover (DiskShared::handed_over).
+    handed_over: Arc<AtomicBool>,
     /// (completed, rejected, failed) per queue when the session began.
     base: Vec<(u64, u64, u64)>,
 }
@@ -210,6 +224,10 @@ impl Session {
             stats: stats.queues.clone(),
             lifecycle: stats.lifecycle.clone(),
             drain_timeout: config.drain_timeout,
+            fence: fence.clone(),
+            hand_over_waits: false,
+            incoming: config.image.incoming,
+            handed_over: shared.handed_over.clone(),
         })
     }
 
@@ -293,9 +311,40 @@ impl Session {
     /// destination, or a source whose migration failed after its switchover): the rings
     /// may then write. Refused while another writer holds them.
     fn take_image(&mut self, index: usize) -> Answer<()> {
-        match self.disk.activate() {
+        // Another writer's locks are waited for, up to the drain timeout: a migration's
+        // source keeps them until the requests its storage still holds have ended, and
+        // this side must not write before they have (QEMU's own source drains before it
+        // lets go, and its destination waits for that too).
+        // Only where the other writer is a migration's other end: another QEMU or
+        // daemon that holds the image is refused at once.
+        let since = Instant::now();
+        let mut activated = self.disk.activate();
+        let mut said = false;
+        let migrating = self.incoming || self.handed_over.load(Ordering::Acquire);
+        while migrating
+            && matches!(activated, Err(storage::Error::Locked { .. }))
+            && since.elapsed() < self.drain_timeout
+        {
+            if !said {
+                info!(
+                    "queue {index}: another writer holds the image; waiting up to {:?} for it to let go (a migration's source finishing requests its storage held)",
+                    self.drain_timeout
+                );
+                said = true;
+            }
+            std::thread::sleep(LOCK_RETRY);
+            activated = self.disk.activate();
+        }
+        if said && activated.is_ok() {
+            info!(
+                "queue {index}: the other writer let the image go after {:?}",
+                since.elapsed()
+            );
+        }
+        match activated {
             Ok(false) => Ok(()),
             Ok(true) => {
+                self.handed_over.store(false, Ordering::Release);
                 if let Some(wb) = self.disk.remembered_writeback() {
                     self.blk.writeback.store(wb, Ordering::Relaxed);
                 }
@@ -328,16 +377,43 @@ impl Session {
     /// it back.
     fn maybe_hand_over(&mut self) {
         if self.given.is_none() || self.vrings.iter().any(|v| v.started) {
+            self.hand_over_waits = false;
             return;
         }
+        let old = self.fence.old();
+        if old > 0 {
+            // A drain ran out of time: those requests may still reach the disk. The
+            // destination must not write before them (its newer writes would be
+            // overwritten by them): the locks stay until they end, and the destination
+            // waits for them (`take_image`).
+            if !self.hand_over_waits {
+                warn!(
+                    "every ring stopped with dirty logging on (a migration's switchover), but {old} requests are still at the disk: the image's write locks are kept until they end (the destination waits for them)"
+                );
+            }
+            self.hand_over_waits = true;
+            return;
+        }
+        self.hand_over_waits = false;
         match self.disk.deactivate() {
-            Ok(true) => info!(
+            Ok(true) => {
+                self.handed_over.store(true, Ordering::Release);
+                info!(
                 "every ring stopped with dirty logging on (a migration's switchover): writes made durable, the image's write locks released for the destination"
-            ),
+            )
+            }
             Ok(false) => {}
             Err(e) => error!(
                 "cannot hand the image over at the switchover: {e}; the destination will find it locked"
             ),
+        }
+    }
+
+    /// The hand-over [`Session::maybe_hand_over`] put off for requests still at the disk,
+    /// if they have ended.
+    pub(crate) fn hand_over_if_waiting(&mut self) {
+        if self.hand_over_waits {
+            self.maybe_hand_over();
         }
     }
 

@@ -257,9 +257,10 @@ impl Worker {
             q.publish(self.log.as_deref());
             let next = q.ring.next_avail();
             let waited = q.stopping.as_ref().map(|s| now - s.since);
-            if let Some(stop) = q.stopping.take() {
-                let _ = stop.reply.send(next);
-            }
+            // Answered once the requests still out are counted in the fence (`retire`):
+            // the session hands the image over at a switchover only when the fence holds
+            // nothing, and must not read it before.
+            let reply = q.stopping.take().map(|s| s.reply);
             let l = &self.lifecycle;
             l.stops.fetch_add(1, Ordering::Relaxed);
             if let Some(waited) = waited.filter(|w| !w.is_zero()) {
@@ -289,6 +290,9 @@ impl Worker {
                 info!("queue {}: stopped at available index {next}", q.index);
             }
             self.retire(q, "stopped");
+            if let Some(reply) = reply {
+                let _ = reply.send(next);
+            }
         }
     }
 
