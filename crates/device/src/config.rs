@@ -71,10 +71,13 @@ pub struct DaemonConfig {
     /// Serve statistics and disk management on this Unix socket (`vblk stats PATH`,
     /// `vblk disk ... PATH`).
     pub control_socket: Option<PathBuf>,
-    /// Who may connect to the sockets the daemon creates: the control socket, the disks'
-    /// (the program gives each disk's `DeviceConfig::socket_access` the same), and the
-    /// default for disks added later (`vblk disk add` asks with `list`).
+    /// Who may connect to the disks' sockets the daemon creates (the program gives each
+    /// disk's `DeviceConfig::socket_access` the same), and the default for disks added
+    /// later (`vblk disk add` asks with `list`).
     pub socket_access: crate::socket_file::SocketAccess,
+    /// Who may connect to the control socket: its own setting, since whoever reaches it
+    /// manages every disk (the frontends' group must not).
+    pub control_access: crate::socket_file::SocketAccess,
     /// How the daemon confines itself once set up.
     pub sandbox: crate::sandbox::SandboxConfig,
     /// TCP ports the sandbox lets the daemon connect to besides those of the NBD disks it
@@ -96,6 +99,7 @@ impl Default for DaemonConfig {
             cpus: Vec::new(),
             control_socket: None,
             socket_access: Default::default(),
+            control_access: Default::default(),
             sandbox: Default::default(),
             nbd_ports: Vec::new(),
             disk_parser: None,

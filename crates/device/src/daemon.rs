@@ -188,7 +188,7 @@ pub fn serve_files(
     let control = match &daemon.control_socket {
         Some(path) => Some(crate::control::ControlSocket::bind(
             path,
-            &daemon.socket_access,
+            &daemon.control_access,
         )?),
         None => None,
     };

@@ -290,6 +290,7 @@ pub const DAEMON_KEYS: &[&str] = &[
     "coalesce-us",
     "cpus",
     "control-socket",
+    "control-socket-group",
     "socket-group",
     "seccomp",
     "landlock",

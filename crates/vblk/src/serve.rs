@@ -65,7 +65,8 @@ pub struct ServeArgs {
     pub disks: Vec<String>,
 
     /// Read the daemon's flags and its disks from this TOML file (top level: threads,
-    /// poll-us, coalesce-us, cpus, control-socket, socket-group, seccomp, landlock, nbd-ports; one
+    /// poll-us, coalesce-us, cpus, control-socket, control-socket-group, socket-group,
+    /// seccomp, landlock, nbd-ports; one
     /// `[group.NAME]` table of limits per throttle group; one `[[disk]]` table per disk
     /// with the disk flags' names as keys, `throttle = { iops-total = 2000 }` for its
     /// limits). A flag given both here and on the command line is refused.
@@ -145,14 +146,22 @@ pub struct DaemonArgs {
     #[arg(long, value_name = "PATH")]
     pub control_socket: Option<PathBuf>,
 
-    /// The group that may connect to the sockets vblk creates (every disk's socket,
-    /// --socket-path or socket= in --disk and --config, and --control-socket; disks added
-    /// later by `vblk disk add` unless it names another): they are made mode 0660 with
-    /// this group (a name or a number) [default: mode 0600, the daemon's user only; the
-    /// umask is not used]. A frontend running as another user, such as libvirt's qemu
-    /// user, connects through the group.
+    /// The group that may connect to the disks' sockets vblk creates (--socket-path, or
+    /// socket= in --disk and --config; disks added later by `vblk disk add` unless it
+    /// names another): they are made mode 0660 with this group (a name or a number)
+    /// [default: mode 0600, the daemon's user only; the umask is not used]. A frontend
+    /// running as another user, such as libvirt's qemu user, connects through the group.
+    /// Not the control socket: whoever reaches it manages every disk
+    /// (--control-socket-group).
     #[arg(long, value_name = "GROUP")]
     pub socket_group: Option<String>,
+
+    /// The group that may connect to --control-socket (mode 0660 with it) [default: mode
+    /// 0600, the daemon's user only]. Whoever connects can add, remove, resize and
+    /// re-limit every disk: give it to the host's management (e.g. a `vblk-admin` group),
+    /// never to the frontends' group.
+    #[arg(long, value_name = "GROUP")]
+    pub control_socket_group: Option<String>,
 
     /// NBD disks added later over TCP (`vblk disk add`): the ports the sandbox lets the
     /// daemon connect to, besides those of the NBD disks it starts with (e.g. 10809).
@@ -246,6 +255,9 @@ impl DaemonArgs {
             control_socket: self.control_socket,
             socket_access: device::socket_file::SocketAccess {
                 group: self.socket_group,
+            },
+            control_access: device::socket_file::SocketAccess {
+                group: self.control_socket_group,
             },
             sandbox: device::sandbox::SandboxConfig {
                 seccomp: self.seccomp,
@@ -354,6 +366,7 @@ fn merge_daemon(
             "cpus" => base.cpus = file.cpus.clone(),
             "control-socket" => base.control_socket = file.control_socket.clone(),
             "socket-group" => base.socket_group = file.socket_group.clone(),
+            "control-socket-group" => base.control_socket_group = file.control_socket_group.clone(),
             "seccomp" => base.seccomp = file.seccomp,
             "landlock" => base.landlock = file.landlock,
             "nbd-ports" => base.nbd_ports = file.nbd_ports.clone(),
@@ -885,6 +898,21 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(disks[0].config.socket_access, d.socket_access, "one disk");
+        // The control socket has its own group: the disks' does not reach it.
+        assert_eq!(d.control_access.group, None);
+        let (d, _) = plan_of(&[
+            "--socket-group",
+            "kvm",
+            "--control-socket-group",
+            "vblk-admin",
+            "--blk-file",
+            "null:1G",
+            "--socket-path",
+            "/c.sock",
+        ])
+        .unwrap();
+        assert_eq!(d.control_access.group.as_deref(), Some("vblk-admin"));
+        assert_eq!(d.socket_access.group.as_deref(), Some("kvm"));
     }
 
     #[test]

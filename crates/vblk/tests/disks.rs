@@ -70,20 +70,27 @@ fn disks_come_and_go_while_the_daemon_runs() {
             &b,
             &dir.path().join("vblk.log"),
         );
-        // --socket-group covers every socket the daemon makes: mode 0660, that group.
+        // --socket-group covers the disks' sockets: mode 0660, that group. Not the
+        // control socket: whoever reaches it manages every disk, and the frontends'
+        // group (QEMU's) must not (it did: any QEMU could shrink another VM's disk).
         let access = |p: &std::path::Path| {
             let m = fs::metadata(p).unwrap();
             (m.permissions().mode() & 0o777, m.gid())
         };
-        let daemon_gid = access(&ctl).1;
+        let daemon_gid = access(&a).1;
         if euid == 0 {
-            assert_ne!(daemon_gid, 0, "the control socket is in group daemon");
+            assert_ne!(daemon_gid, 0, "the disk's socket is in group daemon");
         } else {
-            assert_eq!(daemon_gid, egid, "the control socket is in group {group}");
+            assert_eq!(daemon_gid, egid, "the disk's socket is in group {group}");
         }
-        for sock in [&ctl, &a, &b] {
+        for sock in [&a, &b] {
             assert_eq!(access(sock), (0o660, daemon_gid), "{}", sock.display());
         }
+        assert_eq!(
+            access(&ctl).0,
+            0o600,
+            "the control socket is the daemon's user's"
+        );
         let list = ok(&["disk", "list", s(&ctl)]);
         assert!(list.contains("a ") && list.contains("second "), "{list}");
         assert!(

@@ -9,7 +9,7 @@
 mod support;
 
 use std::fs;
-use std::os::unix::fs::FileTypeExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -348,20 +348,37 @@ fn host_lines(config: &Path) -> (Vec<String>, Vec<String>) {
     (start, reload)
 }
 
-/// The example `disks.toml` with its paths moved under `dir` (no group change: the test
-/// may run where group kvm does not exist), and `more` appended.
+/// The example `disks.toml` with its paths moved under `dir`, its socket group one that
+/// exists here ([`example_group`]: kvm may not), and `more` appended.
 fn example_disks(dir: &Path, more: &str) -> String {
     let run = dir.join("run").display().to_string();
     let lib = dir.join("lib").display().to_string();
     read(&contrib("disks.toml"))
         .replace("/run/vblk", &run)
         .replace("/var/lib/vblk", &lib)
-        .lines()
-        .filter(|l| !l.starts_with("socket-group"))
-        .collect::<Vec<_>>()
-        .join("\n")
+        .replace(
+            "socket-group = \"kvm\"",
+            &format!("socket-group = \"{}\"", example_group().0),
+        )
         + "\n"
         + more
+}
+
+/// A group the sockets can be given here, and its id: `daemon` as root, else this
+/// user's own effective group (by number).
+fn example_group() -> (String, u32) {
+    // SAFETY: geteuid and getegid take nothing and cannot fail.
+    let (euid, egid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    if euid == 0 {
+        let gid = fs::read_to_string("/etc/group")
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("daemon:x:")?.split(':').next()?.parse().ok())
+            .expect("group daemon in /etc/group");
+        ("daemon".into(), gid)
+    } else {
+        (egid.to_string(), egid)
+    }
 }
 
 /// `vblk-host.service`: its ExecStart serves the example's disks; its ExecReload, after
@@ -406,6 +423,15 @@ fn the_host_units_command_lines_serve_and_reload_the_config() {
             .unwrap_or_else(|e| panic!("attach vm1: {e}\n{}", read(&log)));
         assert_eq!(disk.info().capacity_bytes, 16 * MIB);
         drop(disk);
+        // The disks' sockets are the frontends' group's; the control socket is not (it
+        // was: any QEMU of the host could manage every disk).
+        let access = |p: &Path| {
+            let m = fs::metadata(p).unwrap();
+            (m.permissions().mode() & 0o777, m.gid())
+        };
+        assert_eq!(access(&vm2), (0o660, example_group().1));
+        let control = dir.path().join("run/control.sock");
+        assert_eq!(access(&control).0, 0o600, "{}", control.display());
         // vm2 goes, vm3 comes, vm1's limits change.
         let changed =
             example_disks(dir.path(), "").replace("iops-total = 2000, ", "iops-total = 3000, ");
