@@ -31,7 +31,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
@@ -44,6 +44,12 @@ use crate::throttle::Limits;
 
 /// How long the daemon waits for a client's request before it sends the statistics.
 pub const REQUEST_WAIT: Duration = Duration::from_millis(200);
+/// How long the rest of a request may take once its first bytes came.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+/// How long a busy answer waits for the request it did not read (see `refuse_busy`).
+const BUSY_DRAIN: Duration = Duration::from_millis(50);
+/// How long a reply may take to be read.
+const REPLY_DEADLINE: Duration = Duration::from_secs(2);
 /// Longest request.
 const MAX_REQUEST: usize = 64 * 1024;
 /// Most descriptors one request carries: the socket, the image, its backing chain.
@@ -181,13 +187,31 @@ fn read_request(s: &mut UnixStream) -> Result<Request, String> {
         // them.
         .map(|&fd| unsafe { File::from_raw_fd(fd) })
         .collect();
-    // The rest of a long request, up to its newline.
-    s.set_read_timeout(Some(Duration::from_secs(2)))
-        .map_err(|e| e.to_string())?;
+    // The rest of a long request, up to its newline, within one deadline for all of it:
+    // a client that trickles bytes must not keep its slot (a deadline per read let 16
+    // clients at a byte a second hold the control socket for ever).
+    let deadline = Instant::now() + REQUEST_DEADLINE;
     while n > 0 && !buf[..n].contains(&b'\n') && n < MAX_REQUEST {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!(
+                "the request did not arrive whole within {REQUEST_DEADLINE:?}"
+            ));
+        }
+        s.set_read_timeout(Some(left)).map_err(|e| e.to_string())?;
         match s.read(&mut buf[n..]) {
             Ok(0) => break,
             Ok(m) => n += m,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(format!(
+                    "the request did not arrive whole within {REQUEST_DEADLINE:?}"
+                ))
+            }
             Err(e) => return Err(format!("cannot read the request: {e}")),
         }
     }
@@ -213,12 +237,7 @@ fn answer_apart(
 ) {
     if answering.fetch_add(1, Ordering::AcqRel) >= MAX_ANSWERING {
         answering.fetch_sub(1, Ordering::AcqRel);
-        reply(
-            s,
-            error(format!(
-                "busy: {MAX_ANSWERING} requests are being answered; try again"
-            )),
-        );
+        refuse_busy(s);
         return;
     }
     // Counted out however the thread ends (a panic too) or if it never starts.
@@ -233,6 +252,29 @@ fn answer_apart(
     if let Err(e) = spawned {
         // The connection went with the closure: the client reads no answer.
         log::warn!("control socket: cannot start a thread to answer a request: {e}");
+    }
+}
+
+/// Tell a client the daemon is busy, without reading its request. Its request is
+/// drained after the answer (briefly): a Unix socket closed with unread data resets the
+/// connection, and the client then read ECONNRESET instead of the answer.
+fn refuse_busy(s: UnixStream) {
+    let busy = error(format!(
+        "busy: {MAX_ANSWERING} requests are being answered; try again"
+    ));
+    let Ok(mut drain) = s.try_clone() else {
+        return reply(s, busy);
+    };
+    reply(s, busy);
+    let _ = drain.shutdown(std::net::Shutdown::Write);
+    let _ = drain.set_read_timeout(Some(BUSY_DRAIN));
+    let deadline = Instant::now() + BUSY_DRAIN;
+    let mut sink = [0u8; 4096];
+    while Instant::now() < deadline {
+        match drain.read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
     }
 }
 
@@ -257,12 +299,23 @@ fn answer(mut s: UnixStream, registry: &Arc<Registry>, parser: Option<&DiskParse
     reply(s, answer);
 }
 
-/// Send `answer` (one line of JSON) and close the connection.
+/// Send `answer` (one line of JSON) and close the connection, within one deadline for
+/// all of it (a client that reads slowly does not keep the thread).
 fn reply(mut s: UnixStream, answer: Value) {
-    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
     let mut text = answer.to_string();
     text.push('\n');
-    let _ = s.write_all(text.as_bytes());
+    let deadline = Instant::now() + REPLY_DEADLINE;
+    let mut rest = text.as_bytes();
+    while !rest.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || s.set_write_timeout(Some(left)).is_err() {
+            return;
+        }
+        match s.write(rest) {
+            Ok(0) | Err(_) => return,
+            Ok(m) => rest = &rest[m..],
+        }
+    }
 }
 
 fn error(msg: impl ToString) -> Value {
@@ -372,6 +425,7 @@ fn add(
     let listener = fds
         .next()
         .ok_or("add: the message carries no listening socket")?;
+    check_listener(&listener)?;
     let file = fds.next();
     // Then the backing chain's files, in order.
     let backing: Vec<File> = fds.collect();
@@ -409,4 +463,79 @@ fn add(
     opened.adopt_socket(&socket);
     registry.start(opened).map_err(|e| e.to_string())?;
     Ok(id)
+}
+
+/// The descriptor an `add` carries for the disk's socket must be a listening Unix
+/// stream socket: the disk's thread accepts on it, and a failure there ended the whole
+/// daemon (an unbound socket was taken, answered ok, and every disk went down).
+fn check_listener(f: &File) -> Result<(), String> {
+    let fd = f.as_raw_fd();
+    let opt = |name: libc::c_int| -> Result<libc::c_int, String> {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `v`, a live c_int, and the
+        // new length into `len`; a descriptor that is no socket gives ENOTSOCK.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                name,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(format!(
+                "add: the disk's socket is not a socket: {}",
+                io::Error::last_os_error()
+            ));
+        }
+        Ok(v)
+    };
+    if opt(libc::SO_DOMAIN)? != libc::AF_UNIX || opt(libc::SO_TYPE)? != libc::SOCK_STREAM {
+        return Err("add: the disk's socket is not a Unix stream socket".into());
+    }
+    if opt(libc::SO_ACCEPTCONN)? != 1 {
+        return Err("add: the disk's socket does not listen (bind it and listen first)".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client whose request is already sent when every answering slot is taken reads
+    /// the busy answer (it read ECONNRESET: the request left unread reset the socket).
+    #[test]
+    fn a_busy_answer_reaches_a_client_that_already_sent_its_request() {
+        let (server, mut client) = UnixStream::pair().unwrap();
+        client.write_all(b"{\"op\":\"list\"}\n").unwrap();
+        refuse_busy(server);
+        let mut answer = String::new();
+        client.read_to_string(&mut answer).unwrap();
+        assert!(answer.contains("busy: 16 requests"), "{answer}");
+    }
+
+    /// Only a listening Unix stream socket is taken as a disk's socket (an unbound one
+    /// was, and its disk's failure to accept stopped the daemon).
+    #[test]
+    fn a_disks_socket_must_listen() {
+        let dir = tempfile::tempdir().unwrap();
+        let listening = UnixListener::bind(dir.path().join("l.sock")).unwrap();
+        let as_file = |fd: std::os::fd::OwnedFd| File::from(fd);
+        assert_eq!(
+            check_listener(&as_file(listening.try_clone().unwrap().into())),
+            Ok(())
+        );
+        let (a, _b) = UnixStream::pair().unwrap();
+        let e = check_listener(&as_file(a.into())).unwrap_err();
+        assert!(e.contains("does not listen"), "{e}");
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let e = check_listener(&as_file(udp.into())).unwrap_err();
+        assert!(e.contains("not a Unix stream socket"), "{e}");
+        let plain = File::open("/dev/null").unwrap();
+        let e = check_listener(&plain).unwrap_err();
+        assert!(e.contains("is not a socket"), "{e}");
+    }
 }

@@ -439,6 +439,16 @@ fn accept_loop(
         let stream = match listener.accept() {
             Ok((stream, _)) => stream,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) if accept_may_recover(&e) => {
+                // Out of descriptors or memory, or a connection gone before it was
+                // taken: this frontend is lost, the disk goes on (it stopped the daemon).
+                warn!(
+                    "disk {}: cannot take a frontend's connection: {e}; the next is waited for",
+                    shared.id
+                );
+                std::thread::sleep(ACCEPT_RETRY);
+                continue;
+            }
             Err(e) => return Err(listen_err(e)),
         };
         shared.attached.store(true, Ordering::SeqCst);
@@ -447,6 +457,26 @@ fn accept_loop(
     }
     info!("disk {}: stopping", shared.id);
     Ok(())
+}
+
+/// How long the disk's thread waits after an accept that failed for want of resources.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+
+/// Whether `accept` failed for this connection or for a while (descriptors, memory), not
+/// for the listening socket itself.
+fn accept_may_recover(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(
+            libc::EMFILE
+                | libc::ENFILE
+                | libc::ENOBUFS
+                | libc::ENOMEM
+                | libc::ECONNABORTED
+                | libc::EPROTO
+                | libc::EAGAIN
+        )
+    )
 }
 
 fn describe(listen: &Listen) -> String {

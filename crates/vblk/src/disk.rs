@@ -191,10 +191,15 @@ pub fn request(
     s.set_read_timeout(Some(timeout))?;
     let mut line = body.to_string();
     line.push('\n');
-    s.send_with_fds(&[line.as_bytes()], fds)
-        .map_err(|e| format!("cannot send to {}: {e}", control.display()))?;
+    // A daemon that answers before it reads (busy: every answering slot taken) may have
+    // closed its side already: its answer is still there to read.
+    let sent = s.send_with_fds(&[line.as_bytes()], fds);
     let mut buf = String::new();
-    s.read_to_string(&mut buf).map_err(|e| {
+    let read = s.read_to_string(&mut buf);
+    if let (Err(e), true) = (&sent, buf.trim().is_empty()) {
+        return Err(format!("cannot send to {}: {e}", control.display()).into());
+    }
+    read.map_err(|e| {
         if matches!(
             e.kind(),
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut

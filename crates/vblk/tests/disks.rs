@@ -702,3 +702,109 @@ fn add_refused(ctl: &std::path::Path, spec: &str) -> String {
     assert!(!added, "disk add {spec} was not refused: {why}");
     why
 }
+
+/// Clients that trickle their requests a byte at a time do not keep the control socket:
+/// each request must arrive whole within its deadline (2 s), so once the sixteen
+/// answering slots' tricklers are cut off the list answers, while they still trickle.
+/// With a deadline per read, they held every slot for as long as they went on.
+#[test]
+fn clients_that_trickle_their_requests_do_not_keep_the_control_socket() {
+    use std::io::Write as _;
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("disks-trickle");
+        let (x, ctl) = (dir.path().join("x.sock"), dir.path().join("ctl.sock"));
+        let _d = Daemon::start_vblk(
+            "vblk",
+            &[
+                "--control-socket",
+                s(&ctl),
+                "--disk",
+                &format!("socket={},file=null:1G", s(&x)),
+            ],
+            &x,
+            &dir.path().join("vblk.log"),
+        );
+        let t0 = Instant::now();
+        let tricklers: Vec<_> = (0..16)
+            .map(|_| {
+                let ctl = ctl.clone();
+                std::thread::spawn(move || {
+                    let mut c = std::os::unix::net::UnixStream::connect(&ctl).unwrap();
+                    // A byte every 200 ms for 8 s (well under the 2 s per read that
+                    // kept it), until the daemon cuts it off.
+                    for b in br#"{"op":"list"                                         "#
+                        .iter()
+                        .take(40)
+                    {
+                        if c.write_all(&[*b]).is_err() {
+                            return true;
+                        }
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                    false
+                })
+            })
+            .collect();
+        // Past the deadline of every trickler's request (the last connected within a
+        // second or so), long before they would stop on their own.
+        std::thread::sleep(Duration::from_secs(4).saturating_sub(t0.elapsed()));
+        let list = ok(&["disk", "list", s(&ctl)]);
+        assert!(list.contains("x "), "{list}");
+        let cut = tricklers
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .filter(|&c| c)
+            .count();
+        assert_eq!(cut, 16, "tricklers the daemon cut off");
+    });
+}
+
+/// A daemon out of descriptors refuses the frontend that came then, and serves the next
+/// once it has them again: running out in `accept` stopped the daemon, every disk with
+/// it.
+#[test]
+fn a_daemon_out_of_descriptors_goes_on_serving() {
+    use support::assets::require_programs;
+    require_programs(&[("prlimit", "util-linux")]);
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("disks-emfile");
+        let x = dir.path().join("x.sock");
+        let mut d = Daemon::start_vblk(
+            "vblk",
+            &["--disk", &format!("socket={},file=null:1G", s(&x))],
+            &x,
+            &dir.path().join("vblk.log"),
+        );
+        let pid = d.pid().to_string();
+        // The lowest descriptor number free in the daemon: a limit there leaves none.
+        let used: Vec<usize> = fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+        let open = (0..).find(|n| !used.contains(n)).unwrap();
+        let limit = |n: usize| {
+            let st = std::process::Command::new("prlimit")
+                .args(["--pid", &pid, &format!("--nofile={n}:")])
+                .status()
+                .unwrap();
+            assert!(st.success(), "prlimit --nofile={n}");
+        };
+        // No descriptor left for a connection.
+        limit(open);
+        let c = std::os::unix::net::UnixStream::connect(&x).unwrap();
+        let t0 = Instant::now();
+        while !d.log_text().contains("cannot take a frontend's connection") {
+            assert!(t0.elapsed() < Duration::from_secs(10), "{}", d.describe());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(c);
+        d.assert_running("after running out of descriptors");
+        limit(1024);
+        let disk = Disk::attach(&x, &DiskOptions::default())
+            .unwrap_or_else(|e| panic!("{e}: {}", d.describe()));
+        let mut q = disk.take_queue(0).unwrap();
+        q.write_at(0, &[1u8; 4096]).unwrap();
+    });
+}
