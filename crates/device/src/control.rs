@@ -60,9 +60,12 @@ const MAX_BACKING: usize = 32;
 /// The function behind a [`DiskParser`].
 pub type ParseDisk = dyn Fn(&str) -> Result<ServedDisk, String> + Send + Sync;
 
-/// Turns a `--disk` SPEC into a disk (the command line's parser, given by the program).
+/// Turns a `--disk` SPEC into a disk (the command line's parser, given by the program),
+/// with the daemon's disk defaults (the disk flags its command line gave outside
+/// `--disk`) applied first, as to the disks it started with. `list` shows the defaults,
+/// for `vblk disk sync` to compare a file's disks as the daemon would serve them.
 #[derive(Clone)]
-pub struct DiskParser(pub Arc<ParseDisk>);
+pub struct DiskParser(pub Arc<ParseDisk>, pub Vec<String>);
 
 impl std::fmt::Debug for DiskParser {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -332,7 +335,11 @@ fn handle(
     let id = body["id"].as_str();
     match op {
         "stats" => registry.snapshot(id).unwrap_or_else(error),
-        "list" => registry.list(),
+        "list" => {
+            let mut v = registry.list();
+            v["disk_defaults"] = json!(parser.map(|p| p.1.clone()).unwrap_or_default());
+            v
+        }
         "remove" => {
             let Some(id) = id else {
                 return error("remove: which disk? (\"id\")");

@@ -556,13 +556,31 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
             )
         })
     };
+    // The disk flags the daemon's command line gave outside --disk: every disk's
+    // defaults, so the file's disks are compared as the daemon serves them (a file disk
+    // without limits under `--throttle iops-total=1000` has that limit, not none).
+    let defaults: Vec<std::ffi::OsString> = now["disk_defaults"]
+        .as_array()
+        .map(|v| {
+            v.iter()
+                .filter_map(|f| f.as_str())
+                .map(Into::into)
+                .collect()
+        })
+        .unwrap_or_default();
     let mut wanted: Vec<(String, String)> = Vec::new();
+    // Per disk: its limits (canonical) and its group, as the daemon would serve it.
+    let mut wanted_qos: Vec<(String, Option<String>)> = Vec::new();
     let mut sockets = Vec::new();
     for (i, items) in file.disks.iter().enumerate() {
         let what = format!("{} [[disk]] {}", a.config.display(), i + 1);
-        let served = disk_from_items(items, &[], &what)?
+        let served = disk_from_items(items, &defaults, &what)?
             .into_served(None, format!("disk{i}"))
             .map_err(|e| format!("{what}: {e}"))?;
+        wanted_qos.push((
+            served.config.throttle.to_string(),
+            served.config.throttle_group.clone(),
+        ));
         // Refused as `vblk serve --config` refuses it, before anything changes.
         if wanted.iter().any(|(id, _)| *id == served.id) {
             return Err(format!("{what}: two disks are named {:?}", served.id).into());
@@ -592,45 +610,30 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
             };
             let changes = changed_items(&rest(&have_items), &rest(&want_items));
             if !changes.is_empty() {
+                // Reported; its QoS changes still apply (they were skipped with them).
                 failed.push(format!(
                     "disk {id}: its settings in {} changed ({changes}); remove and add it to apply them",
                     a.config.display(),
                 ));
+            }
+            let at = wanted.iter().position(|(w, _)| w == id).unwrap_or(0);
+            let (want_limits, want_group) = wanted_qos[at].clone();
+            if qos_now(id) == Some((want_limits.clone(), want_group.clone())) {
                 continue;
             }
-            let mut qos: Vec<(String, Option<String>)> = want_items
-                .into_iter()
-                .filter(|(k, _)| is_throttle_item(k))
-                .collect();
-            let limits: Vec<String> = qos
-                .iter()
-                .filter_map(|(k, v)| {
-                    let key = k.strip_prefix("throttle.").filter(|k| *k != "group")?;
-                    Some(format!("{key}={}", v.as_deref().unwrap_or("")))
-                })
-                .collect();
-            let want_limits = device::throttle::Limits::parse(&limits.join(","))
-                .map(|l| l.to_string())
-                .unwrap_or_default();
-            let want_group = qos
-                .iter()
-                .find(|(k, _)| k == "group" || k == "throttle.group")
-                .and_then(|(_, v)| v.clone());
-            if qos_now(id) == Some((want_limits, want_group)) {
-                continue;
-            }
-            if !qos
-                .iter()
-                .any(|(k, _)| k.starts_with("throttle.") && k != "throttle.group")
-            {
-                qos.push(("throttle".into(), Some("none".into())));
-            }
-            if !qos
-                .iter()
-                .any(|(k, _)| k == "group" || k == "throttle.group")
-            {
-                qos.push(("group".into(), Some("none".into())));
-            }
+            let mut qos: Vec<(String, Option<String>)> = if want_limits == "none" {
+                vec![("throttle".into(), Some("none".into()))]
+            } else {
+                want_limits
+                    .split(',')
+                    .filter_map(|kv| kv.split_once('='))
+                    .map(|(k, v)| (format!("throttle.{k}"), Some(v.to_string())))
+                    .collect()
+            };
+            qos.push((
+                "group".into(),
+                Some(want_group.unwrap_or_else(|| "none".into())),
+            ));
             match set(&control, id, &qos) {
                 Ok(()) => println!("disk {id}: QoS set"),
                 Err(e) => failed.push(format!("disk {id}: QoS not set: {e}")),

@@ -377,14 +377,23 @@ fn merge_daemon(
     base
 }
 
-/// How `vblk disk add` requests are parsed: as `--disk` values, with no inherited flags.
-pub fn disk_parser() -> device::DiskParser {
-    device::DiskParser(Arc::new(|spec: &str| {
-        let what = format!("disk {spec}");
-        disk_from_items(&split_items(spec), &[], &what)?
-            .into_served(Some(Listen::Fd(-1)), "disk".into())
-            .map_err(|e| format!("{what}: {e}"))
-    }))
+/// How `vblk disk add` requests are parsed: as `--disk` values, after `inherited` (the
+/// disk flags a daemon of several disks was given outside `--disk`: every disk's
+/// defaults, those added later too; a one-disk daemon's flags are its disk's own).
+pub fn disk_parser(inherited: Vec<std::ffi::OsString>) -> device::DiskParser {
+    let shown = inherited
+        .iter()
+        .map(|f| f.to_string_lossy().into_owned())
+        .collect();
+    device::DiskParser(
+        Arc::new(move |spec: &str| {
+            let what = format!("disk {spec}");
+            disk_from_items(&split_items(spec), &inherited, &what)?
+                .into_served(Some(Listen::Fd(-1)), "disk".into())
+                .map_err(|e| format!("{what}: {e}"))
+        }),
+        shown,
+    )
 }
 
 /// `vblk serve`.
@@ -403,8 +412,14 @@ pub fn run(args: ServeArgs, matches: &clap::ArgMatches) -> Result<(), Box<dyn Er
         }
         return Ok(());
     }
+    let many = !args.disks.is_empty() || args.config.is_some();
+    let inherited = if many {
+        explicit_disk_flags(matches)
+    } else {
+        Vec::new()
+    };
     let (mut daemon, disks) = plan(args, matches)?;
-    daemon.disk_parser = Some(disk_parser());
+    daemon.disk_parser = Some(disk_parser(inherited));
     let controls = Arc::new(Controls::new()?);
     let set = block_signals()?;
     // The signal thread starts once the daemon is confined, so that it is too.

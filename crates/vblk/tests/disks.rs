@@ -808,3 +808,69 @@ fn a_daemon_out_of_descriptors_goes_on_serving() {
         q.write_at(0, &[1u8; 4096]).unwrap();
     });
 }
+
+/// The disk flags a daemon's command line gives outside `--disk` are every disk's
+/// defaults: a disk added live takes them (it took none: `--throttle` and
+/// `--throttle-group` were bypassed by adding the disk), and `vblk disk sync` compares
+/// the file's disks with them applied (its first reload reset a default limit to none).
+/// A reload whose disk changed a setting that needs it re-added still applies its QoS
+/// change (it skipped it).
+#[test]
+fn disk_defaults_reach_disks_added_and_reloaded() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("disks-defaults");
+        let ctl = dir.path().join("ctl.sock");
+        let (a, b) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
+        let cfg = config(dir.path(), &ctl, &disk_table(&a, ""));
+        let _d = Daemon::start_vblk(
+            "vblk",
+            &[
+                "--config",
+                s(&cfg),
+                "--throttle",
+                "iops-total=1000",
+                "--throttle-group",
+                "g",
+            ],
+            &a,
+            &dir.path().join("vblk.log"),
+        );
+        let qos = |id: &str| {
+            let v: Value = serde_json::from_str(&ok(&["disk", "list", s(&ctl), "--json"])).unwrap();
+            let d = v["disks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|d| d["id"] == id)
+                .cloned()
+                .unwrap_or_else(|| panic!("no disk {id}: {v}"));
+            (d["throttle"].clone(), d["throttle_group"].clone())
+        };
+        let default = (Value::from("iops-total=1000"), Value::from("g"));
+        assert_eq!(qos("a"), default, "a disk of the file");
+        ok(&[
+            "disk",
+            "add",
+            s(&ctl),
+            &format!("socket={},file=null:1G,num-queues=1", s(&b)),
+        ]);
+        assert_eq!(qos("b"), default, "a disk added live");
+        ok(&["disk", "remove", s(&ctl), "b"]);
+        let said = ok(&["disk", "sync", "--config", s(&cfg)]);
+        assert!(said.trim().is_empty(), "nothing to do: {said}");
+        assert_eq!(qos("a"), default, "after a reload");
+        // A change that needs the disk re-added, and a new limit, in one edit.
+        config(
+            dir.path(),
+            &ctl,
+            &disk_table(&a, "cache = \"none\"\nthrottle = { iops-total = 1500 }"),
+        );
+        let (done, why) = vblk(&["disk", "sync", "--config", s(&cfg)]);
+        assert!(
+            !done && why.contains("cache: - served, none in the file"),
+            "{why}"
+        );
+        assert_eq!(qos("a").0, "iops-total=1500", "{why}");
+    });
+}
