@@ -479,6 +479,6 @@ impl TryFrom<&BenchArgs> for Plan {
 pub fn run(args: BenchArgs) -> Result<(), Box<dyn Error>> {
     let plan = Plan::try_from(&args)?;
     let out = plan::execute(&plan)?;
-    print!("{out}");
+    out!("{out}");
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! The `vblk` command line: one subcommand per job.
 
 use std::error::Error;
+use std::io::Write as _;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
@@ -104,5 +105,23 @@ pub fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<(), Box<dyn Error>> {
         Command::Bench(args) => crate::bench::run(*args),
         Command::Stats(args) => crate::stats::run(args),
         Command::Man(args) => crate::man::run(args),
+    }
+}
+
+/// Write `args` (and a newline) to stdout; a closed stdout ends the program: quietly for
+/// a reader that went away (status 141, as SIGPIPE's), with a message otherwise.
+pub fn out(args: std::fmt::Arguments<'_>, newline: bool) {
+    let mut o = std::io::stdout().lock();
+    let written = o
+        .write_fmt(args)
+        .and_then(|()| if newline { o.write_all(b"\n") } else { Ok(()) })
+        .and_then(|()| o.flush());
+    match written {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(141),
+        Err(e) => {
+            eprintln!("vblk: cannot write the output: {e}");
+            std::process::exit(1)
+        }
     }
 }

@@ -234,17 +234,17 @@ pub fn run(cmd: DiskCommand) -> Result<(), Box<dyn Error>> {
         DiskCommand::List(a) => list(&a),
         DiskCommand::Add(a) => {
             let id = add(&a.control, &a.spec, a.socket_group.as_deref())?;
-            println!("disk {id} added");
+            outln!("disk {id} added");
             Ok(())
         }
         DiskCommand::Remove(a) => {
             remove(&a.control, &a.id, a.force)?;
-            println!("disk {} removed", a.id);
+            outln!("disk {} removed", a.id);
             Ok(())
         }
         DiskCommand::Set(a) => {
             set(&a.control, &a.id, &split_items(&a.settings))?;
-            println!("disk {}: set", a.id);
+            outln!("disk {}: set", a.id);
             Ok(())
         }
         DiskCommand::Resize(a) => {
@@ -258,7 +258,7 @@ pub fn run(cmd: DiskCommand) -> Result<(), Box<dyn Error>> {
             )?;
             let old = reply["old"].as_u64().unwrap_or(0);
             let new = reply["size"].as_u64().unwrap_or(size);
-            println!(
+            outln!(
                 "disk {}: {} bytes ({}), was {} bytes ({})",
                 a.id,
                 new,
@@ -292,7 +292,7 @@ pub fn run(cmd: DiskCommand) -> Result<(), Box<dyn Error>> {
                 &[],
                 Duration::from_secs(5),
             )?;
-            println!("throttle group {}: {canonical}", a.name);
+            outln!("throttle group {}: {canonical}", a.name);
             Ok(())
         }
         DiskCommand::Sync(a) => sync(&a),
@@ -307,17 +307,20 @@ fn list(a: &ListArgs) -> Result<(), Box<dyn Error>> {
         Duration::from_secs(5),
     )?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        outln!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     let empty = Vec::new();
     let disks = v["disks"].as_array().unwrap_or(&empty);
-    println!(
+    outln!(
         "{:<16} {:<9} {:>10}  {:<32} disk",
-        "id", "attached", "size", "socket"
+        "id",
+        "attached",
+        "size",
+        "socket"
     );
     for d in disks {
-        println!(
+        outln!(
             "{:<16} {:<9} {:>10}  {:<32} {}{}",
             d["id"].as_str().unwrap_or("?"),
             if d["attached"].as_bool() == Some(true) {
@@ -596,7 +599,7 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
     for (id, spec) in &served {
         if !wanted.iter().any(|(w, _)| w == id) {
             match remove(&control, id, false) {
-                Ok(()) => println!("disk {id} removed"),
+                Ok(()) => outln!("disk {id} removed"),
                 Err(e) => failed.push(format!("disk {id} not removed: {e}")),
             }
         } else if let Some((_, want)) = wanted.iter().find(|(w, _)| w == id) {
@@ -635,7 +638,7 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
                 Some(want_group.unwrap_or_else(|| "none".into())),
             ));
             match set(&control, id, &qos) {
-                Ok(()) => println!("disk {id}: QoS set"),
+                Ok(()) => outln!("disk {id}: QoS set"),
                 Err(e) => failed.push(format!("disk {id}: QoS not set: {e}")),
             }
         }
@@ -645,7 +648,7 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
             continue;
         }
         match add(&control, spec, group.as_deref()) {
-            Ok(id) => println!("disk {id} added"),
+            Ok(id) => outln!("disk {id} added"),
             Err(e) => failed.push(format!("disk {id} not added: {e}")),
         }
     }
@@ -724,7 +727,7 @@ fn sync_groups(control: &Path, file: &ConfigFile, now: &Value, failed: &mut Vec<
         }
         let body = json!({"op": "group", "name": name, "limits": limits});
         match request(control, &body, &[], Duration::from_secs(5)) {
-            Ok(_) => println!("throttle group {name}: {canonical}"),
+            Ok(_) => outln!("throttle group {name}: {canonical}"),
             Err(e) => failed.push(format!("throttle group {name}: not set: {e}")),
         }
     }

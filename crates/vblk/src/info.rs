@@ -57,9 +57,9 @@ pub fn run(args: InfoArgs) -> Result<(), Box<dyn Error>> {
     if let Some(path) = &args.disk {
         let v = image_info(&args, path)?;
         if args.json {
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            outln!("{}", serde_json::to_string_pretty(&v)?);
         } else {
-            print!("{}", render_image(&v));
+            out!("{}", render_image(&v));
         }
         return Ok(());
     }
@@ -67,9 +67,9 @@ pub fn run(args: InfoArgs) -> Result<(), Box<dyn Error>> {
     let disk = Disk::attach(socket, &DiskOptions::default())?;
     let info = disk.info();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(info)?);
+        outln!("{}", serde_json::to_string_pretty(info)?);
     } else {
-        print!("{}", render(info));
+        out!("{}", render(info));
     }
     Ok(())
 }

@@ -1,6 +1,19 @@
 //! `vblk`: a userspace virtio-blk stack. This file only parses the command line and hands
 //! over; see `cli.rs` and the library crates.
 
+/// `println!` for what a command prints on stdout: a reader that goes away (`vblk stats |
+/// head -1`) ends the program quietly, with SIGPIPE's status, as it ends other tools
+/// (`println!` panicked with a backtrace).
+macro_rules! outln {
+    () => { $crate::cli::out(format_args!(""), true) };
+    ($($t:tt)*) => { $crate::cli::out(format_args!($($t)*), true) };
+}
+
+/// `print!` likewise.
+macro_rules! out {
+    ($($t:tt)*) => { $crate::cli::out(format_args!($($t)*), false) };
+}
+
 mod bench;
 mod cli;
 mod disk;

@@ -23,7 +23,7 @@ pub struct ManArgs {
 /// `vblk man`.
 pub fn run(args: ManArgs) -> Result<(), Box<dyn Error>> {
     for path in write_pages(&args.out)? {
-        println!("{}", path.display());
+        outln!("{}", path.display());
     }
     Ok(())
 }

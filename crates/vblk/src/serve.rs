@@ -399,16 +399,16 @@ pub fn disk_parser(inherited: Vec<std::ffi::OsString>) -> device::DiskParser {
 /// `vblk serve`.
 pub fn run(args: ServeArgs, matches: &clap::ArgMatches) -> Result<(), Box<dyn Error>> {
     if args.print_capabilities {
-        println!("{}", capabilities());
+        outln!("{}", capabilities());
         return Ok(());
     }
     if args.print_syscalls {
         use device::sandbox::seccomp::{ALLOWED, CONDITIONAL};
         for (name, _) in ALLOWED {
-            println!("{name}");
+            outln!("{name}");
         }
         for (name, _) in CONDITIONAL {
-            println!("{name} (args)");
+            outln!("{name} (args)");
         }
         return Ok(());
     }

@@ -118,7 +118,7 @@ fn print_snapshot(v: &Value) {
     let all = disks(v);
     for (i, d) in all.iter().enumerate() {
         if i > 0 {
-            println!();
+            outln!();
         }
         // Each disk's own uptime (since it was added); a daemon from before several
         // disks has only its own.
@@ -164,7 +164,7 @@ fn print_throttle(t: &Value) {
     if limits == "none" && group.is_none() {
         return;
     }
-    println!(
+    outln!(
         "QoS: limits {limits}{}; {} (for these limits or the group's)",
         group
             .map(|g| format!(", throttle group {g}"))
@@ -179,7 +179,7 @@ fn print_groups(v: &Value) {
             .as_array()
             .map(|m| m.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
-        println!(
+        outln!(
             "throttle group {}: limits {}, disks {}; of their requests {}",
             g["name"].as_str().unwrap_or("?"),
             limits_text(&g["limits"]),
@@ -195,7 +195,7 @@ fn print_groups(v: &Value) {
 
 fn print_workers(v: &Value) {
     for w in v["workers"].as_array().cloned().unwrap_or_default() {
-        println!(
+        outln!(
             "worker {}: polling found work {} times, ran out {} times; slept {} times; a sleep costs {:.1} µs of CPU, polling window {:.1} µs{}",
             u(&w["worker"]),
             u(&w["poll_hits"]),
@@ -220,7 +220,7 @@ fn print_workers(v: &Value) {
         );
         let coalesced = u(&w["coalesced_sleeps"]);
         if coalesced > 0 {
-            println!(
+            outln!(
                 "worker {}: {coalesced} of its sleeps left kicks off for up to --coalesce-us",
                 u(&w["worker"])
             );
@@ -229,7 +229,7 @@ fn print_workers(v: &Value) {
 }
 
 fn print_disk(v: &Value, uptime_ns: u64) {
-    println!(
+    outln!(
         "vblk serve: {}{} ({}), up {:.1} s, {} queues offered",
         v["id"]
             .as_str()
@@ -258,7 +258,7 @@ fn print_disk(v: &Value, uptime_ns: u64) {
             .unwrap_or_default();
         let cluster = u(&i["cluster_size"]);
         let allocated = u(&i["clusters_allocated"]);
-        println!(
+        outln!(
             "image: qcow2 version {}, clusters of {}, file {}, {}, backing chain: {}",
             u(&i["version"]),
             crate::disk::size_text(cluster),
@@ -274,7 +274,7 @@ fn print_disk(v: &Value, uptime_ns: u64) {
                 chain.join(" over ")
             }
         );
-        println!(
+        outln!(
             "image since start: {allocated} clusters allocated ({:.1} MiB), mappings written back {} times; L2 cache of {} KiB, {} slices read from the file",
             (allocated * cluster) as f64 / (1u64 << 20) as f64,
             u(&i["writebacks"]),
@@ -284,9 +284,9 @@ fn print_disk(v: &Value, uptime_ns: u64) {
     }
     let queues = v["queues"].as_array().cloned().unwrap_or_default();
     if queues.is_empty() {
-        println!("no requests yet");
+        outln!("no requests yet");
     } else {
-        println!(
+        outln!(
             "{:>5} {:>10} {:>9} {:>11} {:>10} {:>9} {:>11} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7}",
             "queue",
             "reads",
@@ -304,7 +304,7 @@ fn print_disk(v: &Value, uptime_ns: u64) {
         );
         for q in &queues {
             let (r, w) = (op(q, "read"), op(q, "write"));
-            println!(
+            outln!(
                 "{:>5} {:>10} {:>9.1} {:>11.1} {:>10} {:>9.1} {:>11.1} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7}",
                 u(&q["queue"]),
                 u(&r["ios"]),
@@ -321,7 +321,7 @@ fn print_disk(v: &Value, uptime_ns: u64) {
                 u(&q["failed"]),
             );
         }
-        println!("completion latency percentiles (usec, clat; upper bounds of log2 buckets):");
+        outln!("completion latency percentiles (usec, clat; upper bounds of log2 buckets):");
         for q in &queues {
             for name in ["read", "write", "flush"] {
                 let lat = &op(q, name)["lat"];
@@ -330,7 +330,7 @@ fn print_disk(v: &Value, uptime_ns: u64) {
                     .filter_map(|&p| percentile(lat, p).map(|x| format!("{:.0}", x.max(1.0))))
                     .collect();
                 if ps.len() == 4 {
-                    println!(
+                    outln!(
                         "  queue {:>3} {:<6} p50 {:>8}  p90 {:>8}  p99 {:>8}  p99.9 {:>8}",
                         u(&q["queue"]),
                         name,
@@ -345,14 +345,14 @@ fn print_disk(v: &Value, uptime_ns: u64) {
     }
     let l = &v["lifecycle"];
     if !l.is_null() {
-        println!(
+        outln!(
             "rings stopped {} times, {} waited for requests in flight (longest {:.1} ms), {} ran out of time",
             u(&l["stops"]),
             u(&l["drains"]),
             u(&l["drain_wait_ns_max"]) as f64 / 1e6,
             u(&l["drains_timed_out"]),
         );
-        println!(
+        outln!(
             "reset fence: {} requests from before a reset still out; {} queues waited for them (longest {:.1} ms, {:.1} ms in all)",
             u(&l["old_requests"]),
             u(&l["fenced_starts"]),
@@ -360,7 +360,7 @@ fn print_disk(v: &Value, uptime_ns: u64) {
             u(&l["fence_wait_ns_total"]) as f64 / 1e6,
         );
         if l["log_active"].as_bool() == Some(true) || u(&l["logged_pages"]) > 0 {
-            println!(
+            outln!(
                 "dirty logging (live migration): {}; {} page marks since start",
                 if l["log_active"].as_bool() == Some(true) {
                     "on"
@@ -376,7 +376,7 @@ fn print_disk(v: &Value, uptime_ns: u64) {
             u(&l["failed_setups"]),
         );
         if w + lost + failed > 0 {
-            println!(
+            outln!(
                 "sessions ended: {w} for a wedged descriptor, {lost} for a worker that did not answer; {failed} connections could not be set up"
             );
         }
@@ -406,7 +406,7 @@ fn print_rates(prev: &Value, now: &Value, secs: f64) {
     let before = disks(prev);
     let after = disks(now);
     let many = after.len() > 1;
-    println!(
+    outln!(
         "{}{:>5} {:>9} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7}",
         if many {
             format!("{:<16} ", "disk")
@@ -451,7 +451,7 @@ fn print_disk_rates(label: &str, prev: &Value, now: &Value, secs: f64) {
         let p = find(prev, c[9]).map_or([0; 10], |q| counters(&q));
         let d = |i: usize| c[i].saturating_sub(p[i]) as f64;
         let await_ms = |ios: f64, ns: f64| if ios > 0.0 { ns / ios / 1e6 } else { 0.0 };
-        println!(
+        outln!(
             "{label}{:>5} {:>9.1} {:>9.1} {:>8.3} {:>9.1} {:>9.1} {:>8.3} {:>8.1} {:>8.1} {:>7}",
             c[9],
             d(0) / secs,
@@ -472,7 +472,7 @@ pub fn run(args: StatsArgs) -> Result<(), Box<dyn Error>> {
     let id = args.disk.as_deref();
     let first = fetch(&args.socket, id)?;
     if args.json {
-        println!("{first}");
+        outln!("{first}");
         return Ok(());
     }
     let Some(secs) = args.interval else {

@@ -874,3 +874,38 @@ fn disk_defaults_reach_disks_added_and_reloaded() {
         assert_eq!(qos("a").0, "iops-total=1500", "{why}");
     });
 }
+
+/// A command whose reader goes away (`vblk stats CTL | head -1`) ends quietly with
+/// SIGPIPE's status; it panicked with a backtrace ("failed printing to stdout").
+#[test]
+fn a_reader_that_goes_away_ends_the_output_quietly() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("disks-pipe");
+        let (x, ctl) = (dir.path().join("x.sock"), dir.path().join("ctl.sock"));
+        let _d = Daemon::start_vblk(
+            "vblk",
+            &[
+                "--control-socket",
+                s(&ctl),
+                "--disk",
+                &format!("socket={},file=null:1G", s(&x)),
+            ],
+            &x,
+            &dir.path().join("vblk.log"),
+        );
+        for args in [&["stats", s(&ctl)][..], &["disk", "list", s(&ctl)][..]] {
+            let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_vblk"))
+                .args(args)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            drop(child.stdout.take()); // the reader is gone before the first line
+            let out = child.wait_with_output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!err.contains("panicked"), "{args:?}: {err}");
+            assert_eq!(out.status.code(), Some(141), "{args:?}: {err}");
+        }
+    });
+}
