@@ -542,11 +542,19 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
                 break;
             }
             Err(e) => {
+                stats
+                    .lifecycle
+                    .broken_sessions
+                    .fetch_add(1, Ordering::Relaxed);
                 warn!("disk {id}: frontend session ended: {e}");
                 break;
             }
         }
         if session.poisoned() {
+            stats
+                .lifecycle
+                .broken_sessions
+                .fetch_add(1, Ordering::Relaxed);
             error!("disk {id}: the frontend truncated guest memory under the device; connection closed");
             break;
         }

@@ -192,6 +192,9 @@ pub(crate) struct LifecycleStats {
     pub lost_workers: AtomicU64,
     /// Connections whose session could not be set up (the disk refused a new engine).
     pub failed_setups: AtomicU64,
+    /// Sessions the frontend broke: a malformed or refused message, a deadline it let
+    /// pass (a message unfinished, a reply unread), guest memory truncated (SIGBUS).
+    pub broken_sessions: AtomicU64,
     /// 1 while the device logs the guest pages it writes (a live migration runs).
     pub log_active: AtomicU64,
     /// Page marks made in dirty logs, over the daemon's life.
@@ -318,6 +321,7 @@ impl Stats {
             "fence_wait_ns_total": load(&f.wait_ns_total),
             "fence_wait_ns_max": load(&f.wait_ns_max),
             "wedged_fds": load(&l.wedged_fds),
+            "broken_sessions": load(&l.broken_sessions),
             "lost_workers": load(&l.lost_workers),
             "failed_setups": load(&l.failed_setups),
             "log_active": load(&l.log_active) != 0,

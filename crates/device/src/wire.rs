@@ -121,6 +121,9 @@ pub(crate) enum WireError {
     Disconnected,
     #[error("socket error: {0}")]
     Io(#[from] io::Error),
+    /// A read or write on the socket ran out of its deadline (SO_RCVTIMEO/SO_SNDTIMEO).
+    #[error("the frontend {0} within {timeout:?}", timeout = crate::disk::MESSAGE_TIMEOUT)]
+    Deadline(&'static str),
     #[error("malformed message: {0}")]
     Malformed(String),
 }
@@ -275,14 +278,27 @@ pub(crate) fn read_message(sock: &mut UnixStream) -> Result<Message, WireError> 
 }
 
 fn sys(e: vmm_sys_util::errno::Error) -> WireError {
-    WireError::Io(io::Error::from_raw_os_error(e.errno()))
+    eof(io::Error::from_raw_os_error(e.errno()))
 }
 
+/// A read's error: the end of the stream, a deadline the frontend let pass, or another.
 fn eof(e: io::Error) -> WireError {
-    if e.kind() == io::ErrorKind::UnexpectedEof {
-        WireError::Disconnected
-    } else {
-        WireError::Io(e)
+    match e.kind() {
+        io::ErrorKind::UnexpectedEof => WireError::Disconnected,
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            WireError::Deadline("did not finish its message")
+        }
+        _ => WireError::Io(e),
+    }
+}
+
+/// A write's error: a deadline the frontend let pass (it reads no replies), or another.
+fn unsent(e: io::Error) -> WireError {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            WireError::Deadline("did not read the reply")
+        }
+        _ => WireError::Io(e),
     }
 }
 
@@ -300,12 +316,14 @@ pub(crate) fn reply(
     buf.extend_from_slice(payload);
     match fd {
         Some(fd) => {
-            let n = sock.send_with_fds(&[&buf[..]], &[fd]).map_err(sys)?;
+            let n = sock
+                .send_with_fds(&[&buf[..]], &[fd])
+                .map_err(|e| unsent(io::Error::from_raw_os_error(e.errno())))?;
             if n < buf.len() {
-                sock.write_all(&buf[n..])?;
+                sock.write_all(&buf[n..]).map_err(unsent)?;
             }
         }
-        None => sock.write_all(&buf)?,
+        None => sock.write_all(&buf).map_err(unsent)?,
     }
     Ok(())
 }

@@ -370,14 +370,15 @@ fn print_disk(v: &Value, uptime_ns: u64) {
                 u(&l["logged_pages"]),
             );
         }
-        let (w, lost, failed) = (
+        let (broken, w, lost, failed) = (
+            u(&l["broken_sessions"]),
             u(&l["wedged_fds"]),
             u(&l["lost_workers"]),
             u(&l["failed_setups"]),
         );
-        if w + lost + failed > 0 {
+        if broken + w + lost + failed > 0 {
             outln!(
-                "sessions ended: {w} for a wedged descriptor, {lost} for a worker that did not answer; {failed} connections could not be set up"
+                "sessions ended: {broken} broken by the frontend (a bad message, a deadline, guest memory truncated), {w} for a wedged descriptor, {lost} for a worker that did not answer; {failed} connections could not be set up"
             );
         }
     }

@@ -909,3 +909,53 @@ fn a_reader_that_goes_away_ends_the_output_quietly() {
         }
     });
 }
+
+/// Sessions a frontend breaks are counted in `vblk stats` (the README says so; only
+/// wedged descriptors, lost workers and failed setups were), and a deadline it lets pass
+/// is logged as one (it was "Resource temporarily unavailable (os error 11)").
+#[test]
+fn sessions_a_frontend_breaks_are_counted_and_named() {
+    use std::io::Write as _;
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("disks-broken");
+        let (x, ctl) = (dir.path().join("x.sock"), dir.path().join("ctl.sock"));
+        let d = Daemon::start_vblk(
+            "vblk",
+            &[
+                "--control-socket",
+                s(&ctl),
+                "--disk",
+                &format!("socket={},file=null:1G", s(&x)),
+            ],
+            &x,
+            &dir.path().join("vblk.log"),
+        );
+        let broken = || stats(&ctl)["disks"][0]["lifecycle"]["broken_sessions"].as_u64();
+        assert_eq!(broken(), Some(0), "{}", stats(&ctl));
+        // A header with the wrong version bits.
+        let mut c = std::os::unix::net::UnixStream::connect(&x).unwrap();
+        let hdr = [1u32.to_le_bytes(), 2u32.to_le_bytes(), 0u32.to_le_bytes()].concat();
+        c.write_all(&hdr).unwrap();
+        // Half a header, then silence: the message deadline (5 s) ends the session.
+        let mut h = std::os::unix::net::UnixStream::connect(&x).unwrap();
+        let t0 = Instant::now();
+        while broken() != Some(1) {
+            assert!(t0.elapsed() < Duration::from_secs(10), "{}", stats(&ctl));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        h.write_all(&1u32.to_le_bytes()).unwrap();
+        while broken() != Some(2) {
+            assert!(t0.elapsed() < Duration::from_secs(20), "{}", stats(&ctl));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let log = d.log_text();
+        assert!(
+            log.contains("the frontend did not finish its message within 5s"),
+            "{log}"
+        );
+        assert!(!log.contains("os error 11"), "{log}");
+        let text = ok(&["stats", s(&ctl)]);
+        assert!(text.contains("2 broken by the frontend"), "{text}");
+    });
+}

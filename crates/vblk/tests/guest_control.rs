@@ -386,7 +386,7 @@ fn crash_run(
             let watch = |logs: &[PathBuf]| {
                 logs.iter().any(|l| {
                     fs::read_to_string(l)
-                        .is_ok_and(|t| t.contains("stopped until the frontend restarts it"))
+                        .is_ok_and(|t| t.contains("it runs again when the frontend restarts it"))
                 })
             };
             for k in 1..=kills {

@@ -177,7 +177,7 @@ impl Worker {
         for q in &mut self.queues {
             q.ring_ok = false;
             q.stop_broken(format_args!(
-                "the frontend truncated guest memory under the device (SIGBUS caught)"
+                "the frontend truncated guest memory under the device (SIGBUS caught); the session ends"
             ));
         }
         if let Some(kill) = self.kill.take() {

@@ -178,7 +178,7 @@ impl Queue {
         }
         self.broken = true;
         error!(
-            "queue {}: stopped until the frontend restarts it: {why} (available index {}, {} requests still in flight)",
+            "queue {}: stopped: {why} (available index {}, {} requests still in flight; it runs again when the frontend restarts it)",
             self.index,
             self.ring.next_avail(),
             self.in_flight
