@@ -319,6 +319,7 @@ impl RunningDisk {
         let thread = std::thread::Builder::new()
             .name(format!("vblk-disk-{}", shared.id))
             .spawn(move || {
+                let _working = crate::log_context::Working::new(&s.id);
                 let r = accept_loop(&s, &listener, &c);
                 if let Err(e) = s.disk.flush() {
                     error!("disk {}: flushing at exit failed: {e}", s.id);

@@ -53,6 +53,7 @@ mod fence;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod inflight;
+pub mod log_context;
 mod memory;
 mod poll;
 mod registry;

@@ -90,7 +90,19 @@ pub fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<(), Box<dyn Error>> {
     };
     env_logger::Builder::new()
         .filter_level(level)
-        .format_timestamp_micros()
+        .format(|buf, record| {
+            // env_logger's own layout, and the disk the thread works for where the line
+            // does not name one (a daemon of many disks: log_context.rs).
+            let ts = buf.timestamp_micros();
+            let (level, target) = (record.level(), record.target());
+            let msg = record.args().to_string();
+            device::log_context::with_current_disk(|disk| match disk {
+                Some(d) if !msg.starts_with("disk ") => {
+                    writeln!(buf, "[{ts} {level:<5} {target}] disk {d}: {msg}")
+                }
+                _ => writeln!(buf, "[{ts} {level:<5} {target}] {msg}"),
+            })
+        })
         .target(env_logger::Target::Stderr)
         .init();
     match cli.command {

@@ -959,3 +959,63 @@ fn sessions_a_frontend_breaks_are_counted_and_named() {
         assert!(text.contains("2 broken by the frontend"), "{text}");
     });
 }
+
+/// In a daemon of several disks every log line of a disk's session and of its queues
+/// names the disk (a ring's stop, the memory table, said without it, could not be told
+/// apart between disks).
+#[test]
+fn log_lines_name_their_disk() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("disks-log");
+        let (x, y) = (dir.path().join("x.sock"), dir.path().join("y.sock"));
+        let d = Daemon::start_vblk(
+            "vblk",
+            &[
+                "--threads",
+                "1",
+                "--disk",
+                &format!("socket={},file=null:1G,num-queues=1", s(&x)),
+                "--disk",
+                &format!("id=second,socket={},file=null:1G,num-queues=1", s(&y)),
+            ],
+            &y,
+            &dir.path().join("vblk.log"),
+        );
+        // A frontend spoken by hand: memory, a ring started, then stopped.
+        {
+            use std::os::fd::AsRawFd;
+            use support::raw_frontend::{self as rf, pf, req};
+            use support::raw_ring::{self as rr, Guest, Ring};
+            let mut c = rf::handshake(&y, pf::MQ | pf::CONFIG, true).unwrap();
+            let g = Guest::new(1 << 20, true, 0x1_0000_0000);
+            c.ok(
+                "SET_MEM_TABLE",
+                req::SET_MEM_TABLE,
+                &rf::mem_table(1, &[g.region()]),
+                &[g.fd()],
+            )
+            .unwrap();
+            let (kick, call) = (rr::eventfd(0, true), rr::eventfd(0, true));
+            Ring::new(0, 0)
+                .start(&mut c, &g, kick.as_raw_fd(), call.as_raw_fd())
+                .unwrap();
+            c.call_flags(req::GET_VRING_BASE, rf::VERSION, &rf::state(0, 0), &[])
+                .unwrap();
+        }
+        let t0 = Instant::now();
+        while !d.log_text().contains("frontend disconnected") {
+            assert!(t0.elapsed() < Duration::from_secs(10), "{}", d.describe());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let log = d.log_text();
+        for line in [
+            "disk second: memory table: 1 regions",
+            "disk second: queue 0: stopped at available index 0",
+        ] {
+            assert!(log.contains(line), "{line:?} in:\n{log}");
+        }
+        // A line that names its disk already is not named twice.
+        assert!(!log.contains("disk second: disk second"), "{log}");
+    });
+}

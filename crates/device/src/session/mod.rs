@@ -174,6 +174,7 @@ impl Session {
             let conn = conn.clone();
             let setup = WorkerSetup {
                 id: t,
+                disk: Arc::from(shared.id.as_str()),
                 blk: blk.clone(),
                 engine,
                 depth,

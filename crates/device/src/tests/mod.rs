@@ -185,6 +185,7 @@ impl Rig {
         let k = killed.clone();
         let (worker, mailbox) = Worker::for_test(WorkerSetup {
             id: 0,
+            disk: Arc::from("test"),
             blk: blk.clone(),
             engine,
             depth,

@@ -71,6 +71,8 @@ const EV_MAILBOX: u32 = u32::MAX;
 /// What a worker is made of.
 pub(crate) struct WorkerSetup {
     pub id: usize,
+    /// The disk's name (log lines of its thread say it: log_context.rs).
+    pub disk: Arc<str>,
     pub blk: Arc<Blk>,
     pub engine: Box<dyn Engine>,
     pub depth: usize,
@@ -137,6 +139,8 @@ pub(crate) struct Worker {
     /// kept until the engine hands those requests back; nothing of them is published.
     zombies: Vec<Queue>,
     id: usize,
+    /// The disk's name, for the log lines written while it is served.
+    pub(super) disk: Arc<str>,
     depth: usize,
     blk: Arc<Blk>,
     mailbox: Arc<Mailbox>,
@@ -196,6 +200,7 @@ impl Worker {
             queues: Vec::new(),
             zombies: Vec::new(),
             id: setup.id,
+            disk: setup.disk,
             depth: setup.depth,
             blk: setup.blk,
             mailbox,

@@ -330,6 +330,14 @@ impl Worker {
     /// [`Worker::serve_round`], with a panic caught: the worker is marked failed (its
     /// mailbox refuses commands, its session learns it is lost) and `None` is returned.
     fn service(&mut self, now: Instant) -> Option<bool> {
+        // Log lines written meanwhile name the disk. The round borrows the worker
+        // mutably, so the guard holds a pointer to the name, not a borrow (a clone would
+        // cost two atomic operations per worker per round).
+        let disk: *const str = &*self.disk;
+        // SAFETY: the name is the heap string of `self.disk`, an Arc<str> the worker
+        // holds for its whole life and never replaces; the guard is dropped at the end
+        // of this call, while `self` lives.
+        let _working = unsafe { crate::log_context::Working::from_raw(disk) };
         match catch_unwind(AssertUnwindSafe(|| self.serve_round(now))) {
             Ok(p) => Some(p),
             Err(_) => {
