@@ -21,8 +21,10 @@
 //! Members of a group are served fairly while more than one waits (QEMU serves them
 //! round-robin): each member's `served` counts the group time its requests took; one that
 //! is more than [`QUANTUM`] ahead of another waiting member lets it go first. A member
-//! that starts waiting starts level with the least-served waiting member, so an idle spell
-//! earns no credit.
+//! that starts waiting starts at most a quantum behind the least-served waiting member,
+//! so an idle spell earns no more credit than that. (It started level: a disk at QD1,
+//! which stops waiting between each request and the next, lost what it was behind at
+//! every request, and a QD32 disk beside it took three slots in four.)
 
 pub mod limits;
 
@@ -290,8 +292,8 @@ impl Limiter {
     }
 
     /// A worker of `member` has requests waiting (or no longer: each worker of a disk
-    /// says so once each way). A member that starts waiting starts level with the
-    /// least-served member already waiting.
+    /// says so once each way). A member that starts waiting starts at most a quantum
+    /// behind the least-served member already waiting.
     pub fn set_waiting(&self, member: usize, waiting: bool) {
         let share = &self.shares[member];
         if !waiting {
@@ -311,7 +313,9 @@ impl Limiter {
             .map(|(_, s)| s.served.load(Ordering::Relaxed))
             .min();
         if let Some(least) = least {
-            share.served.fetch_max(least, Ordering::Relaxed);
+            share
+                .served
+                .fetch_max(least.saturating_sub(self.quantum), Ordering::Relaxed);
         }
     }
 }

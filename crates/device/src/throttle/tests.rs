@@ -273,7 +273,8 @@ fn a_member_ahead_lets_a_waiting_one_go_first() {
         l.charge(Dir::Read, 4096, now, 0);
     }
     assert!(l.may_go(0), "nobody else waits");
-    // Member 1 starts waiting: it starts level with member 0, so 0 may still go...
+    // Member 1 starts waiting: it starts a quantum behind member 0 (its idle spell
+    // earns no more), so 0 may still go...
     l.set_waiting(1, true);
     assert!(l.may_go(0) && l.may_go(1));
     // ...until it is a quantum (1 ms of the group's time) ahead.
@@ -293,4 +294,36 @@ fn a_member_ahead_lets_a_waiting_one_go_first() {
         l.charge(Dir::Read, 4096, now, 0);
     }
     assert!(l.may_go(0));
+}
+
+/// A member that stops waiting between each of its requests and the next (a disk at
+/// QD1) gets half of a group beside one that always waits (QD32), whichever is looked at
+/// first at each slot. It got a quarter: each new request started it level with the
+/// other, forgiving what it was behind.
+#[test]
+fn a_member_at_qd1_gets_its_half_beside_one_at_qd32() {
+    let l = Limiter::new(
+        &Limits::parse("iops-total=2000").unwrap(),
+        Instant::now(),
+        Arc::default(),
+    );
+    l.set_members(2);
+    let now = ticks(Instant::now());
+    l.set_waiting(0, true);
+    l.set_waiting(1, true);
+    let mut got = [0u32; 2];
+    for _ in 0..1000 {
+        // The slot goes to the first member looked at that may go: always 0 first.
+        let m = if l.may_go(0) { 0 } else { 1 };
+        assert!(l.may_go(m));
+        l.charge(Dir::Read, 4096, now, m);
+        got[m] += 1;
+        if m == 1 {
+            // Its one request went; the next comes before the next slot.
+            l.set_waiting(1, false);
+            l.set_waiting(1, true);
+        }
+    }
+    let share = f64::from(got[1]) / 1000.0;
+    assert!((0.45..=0.55).contains(&share), "QD1 member got {got:?}");
 }
