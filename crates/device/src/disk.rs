@@ -369,6 +369,11 @@ fn resize(shared: &DiskShared, session: Option<&mut Session>) {
     match shared.disk.refresh_size(shared.config.allow_shrink) {
         Ok((old, new)) if old == new => info!("disk {id}: the disk is {new} bytes"),
         Ok((old, new)) => info!("disk {id}: resize: the disk is now {new} bytes (was {old})"),
+        // A RAM, null, simulated or NBD disk has nothing to read again: SIGHUP (every
+        // `systemctl reload`) is no error for it.
+        Err(storage::Error::Resize { .. }) => {
+            info!("disk {id}: its size is fixed: {} bytes", shared.disk.size())
+        }
         Err(e) => error!("disk {id}: resize refused: {e}"),
     }
     let sectors = shared.disk.size() >> proto::wire::SECTOR_SHIFT;

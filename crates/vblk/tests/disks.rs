@@ -1019,3 +1019,34 @@ fn log_lines_name_their_disk() {
         assert!(!log.contains("disk second: disk second"), "{log}");
     });
 }
+
+/// SIGHUP (what every `systemctl reload` sends) on disks whose size is fixed is no
+/// error: it logged "ERROR … resize refused: RAM disk: its size is fixed" for each.
+#[test]
+fn sighup_on_fixed_size_disks_logs_no_error() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("disks-hup");
+        let (x, y) = (dir.path().join("x.sock"), dir.path().join("y.sock"));
+        let d = Daemon::start_vblk(
+            "vblk",
+            &[
+                "--disk",
+                &format!("socket={},file=mem:16M", s(&x)),
+                "--disk",
+                &format!("socket={},file=null:1G", s(&y)),
+            ],
+            &y,
+            &dir.path().join("vblk.log"),
+        );
+        // SAFETY: kill(2) with a pid this test started and a signal number.
+        assert_eq!(unsafe { libc::kill(d.pid() as i32, libc::SIGHUP) }, 0);
+        let t0 = Instant::now();
+        while d.log_text().matches("its size is fixed").count() < 2 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "{}", d.describe());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let log = d.log_text();
+        assert!(!log.contains("ERROR"), "{log}");
+    });
+}
