@@ -127,6 +127,9 @@ impl DaemonConfig {
         if let Some(&cpu) = self.cpus.iter().find(|&&c| c >= count) {
             return Err(ConfigError::Cpu { cpu, count });
         }
+        if self.nbd_ports.contains(&0) {
+            return Err(ConfigError::NbdPortZero);
+        }
         Ok(())
     }
 }
@@ -316,6 +319,9 @@ pub enum ConfigError {
         /// CPUs on the machine.
         count: usize,
     },
+    /// TCP port 0 among the NBD ports (no server listens there).
+    #[error("--nbd-ports: port 0 is no port an NBD server listens on")]
+    NbdPortZero,
     /// Poll window absurdly large.
     #[error("--poll-us {0}: must be at most 1000000 (one second)")]
     PollUs(u64),

@@ -230,6 +230,16 @@ pub fn serve_files(
             .map_err(|e| Error::VhostUser(format!("throttle group {name}: {e}")))?;
     }
     for o in opened {
+        // A group no limits were given for is made, unlimited, by the first disk that
+        // names it: likely a name mistyped (QEMU makes groups the same way).
+        if let Some(g) = o.config.throttle_group.as_deref() {
+            if !daemon.throttle_groups.iter().any(|(n, _)| n == g) {
+                log::warn!(
+                    "disk {}: throttle group {g:?} has no limits (none given with --group {g}:LIMITS or a [group.{g}] table): it limits nothing until `vblk disk group` gives it some",
+                    o.id
+                );
+            }
+        }
         registry.start(o)?;
     }
     let control = match control {

@@ -580,6 +580,21 @@ fn sync(a: &SyncArgs) -> Result<(), Box<dyn Error>> {
         let served = disk_from_items(items, &defaults, &what)?
             .into_served(None, format!("disk{i}"))
             .map_err(|e| format!("{what}: {e}"))?;
+        if let Some(g) = served.config.throttle_group.as_deref() {
+            let in_file = file.daemon.iter().any(|(k, v)| {
+                k == "group"
+                    && v.as_deref().and_then(|v| v.split_once(':')).map(|(n, _)| n) == Some(g)
+            });
+            let limited_now = now["groups"].as_array().is_some_and(|gs| {
+                gs.iter()
+                    .any(|x| x["name"] == g && x["throttle"].as_str() != Some("none"))
+            });
+            if !in_file && !limited_now {
+                outln!(
+                    "warning: {what}: throttle group {g:?} has no limits (no [group.{g}] table): it limits nothing"
+                );
+            }
+        }
         wanted_qos.push((
             served.config.throttle.to_string(),
             served.config.throttle_group.clone(),

@@ -316,10 +316,23 @@ pub fn plan(
         // The file's daemon keys, then the command line's (none of them twice).
         let from_file = DaemonCli::command()
             .try_get_matches_from(argv)
-            .map_err(|e| format!("{}: {}", path.display(), e.to_string().trim()))?;
+            .map_err(|e| {
+                // clap's message without its "For more information, try '--help'": the
+                // file is not the command line.
+                let text = e.to_string();
+                let first = text.split("\n\n").next().unwrap_or(&text).trim();
+                format!("{}: {first}", path.display())
+            })?;
         let file_daemon = DaemonCli::from_arg_matches(&from_file)
             .map_err(|e| e.to_string())?
             .daemon;
+        // The file's values on their own first, so that a bad one names the file (the
+        // command line's, not given there, are at their defaults, which pass).
+        file_daemon
+            .clone()
+            .into_config()
+            .validate()
+            .map_err(|e| format!("{}: {e}", path.display()))?;
         daemon_args = merge_daemon(daemon_args, file_daemon, &file.daemon);
         for (i, d) in file.disks.into_iter().enumerate() {
             let spec = spec_of(&d);
@@ -879,6 +892,35 @@ mod tests {
         .unwrap();
         let (d, _) = plan_of(&["--config", path.to_str().unwrap()]).unwrap();
         assert!(!d.sandbox.landlock, "landlock = \"off\" in a config file");
+    }
+
+    /// A bad value among a config file's daemon keys names the file, and says nothing of
+    /// `--help` (it named no file for threads = 0, and accepted port 0).
+    #[test]
+    fn a_config_files_bad_daemon_values_name_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disks.toml");
+        for (line, says) in [
+            ("threads = 0", "--threads 0: must be between 1 and 256"),
+            (
+                "nbd-ports = [0]",
+                "port 0 is no port an NBD server listens on",
+            ),
+            ("threads = \"many\"", "invalid value 'many'"),
+        ] {
+            std::fs::write(
+                &path,
+                format!("{line}\n[[disk]]\nsocket = \"/a.sock\"\nfile = \"null:1G\"\n"),
+            )
+            .unwrap();
+            let e = plan_of(&["--config", path.to_str().unwrap()]).unwrap_err();
+            assert!(
+                e.starts_with(&format!("{}: ", path.display())),
+                "{line}: {e}"
+            );
+            assert!(e.contains(says), "{line}: {e}");
+            assert!(!e.contains("--help"), "{line}: {e}");
+        }
     }
 
     #[test]

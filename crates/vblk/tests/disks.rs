@@ -1050,3 +1050,40 @@ fn sighup_on_fixed_size_disks_logs_no_error() {
         assert!(!log.contains("ERROR"), "{log}");
     });
 }
+
+/// A throttle group named by a disk and given no limits anywhere is said to limit
+/// nothing, at start and by `vblk disk sync` (a mistyped name made an unlimited group
+/// silently).
+#[test]
+fn a_group_without_limits_is_warned_about() {
+    let _one_at_a_time = serial();
+    within(LIMIT, "the test", || {
+        let dir = temp_dir("disks-nogroup");
+        let ctl = dir.path().join("ctl.sock");
+        let a = dir.path().join("a.sock");
+        let cfg = config(dir.path(), &ctl, &disk_table(&a, "group = \"tenats\""));
+        let d = Daemon::start_vblk(
+            "vblk",
+            &["--config", s(&cfg)],
+            &a,
+            &dir.path().join("vblk.log"),
+        );
+        let log = d.log_text();
+        assert!(
+            log.contains("throttle group \"tenats\" has no limits"),
+            "{log}"
+        );
+        let said = ok(&["disk", "sync", "--config", s(&cfg)]);
+        assert!(
+            said.contains("throttle group \"tenats\" has no limits"),
+            "{said}"
+        );
+        // Named in the file's groups: no warning.
+        let said = {
+            let text = fs::read_to_string(&cfg).unwrap() + "\n[group.tenats]\niops-total = 500\n";
+            fs::write(&cfg, text).unwrap();
+            ok(&["disk", "sync", "--config", s(&cfg)])
+        };
+        assert!(!said.contains("has no limits"), "{said}");
+    });
+}
