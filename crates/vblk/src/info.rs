@@ -128,6 +128,15 @@ fn image_info(a: &InfoArgs, path: &Path) -> Result<Value, Box<dyn Error>> {
         "compressed": alloc.compressed,
         "corrupt": alloc.corrupt,
     });
+    // What keeps `vblk serve` from writing it (Header::check_writable), as qemu-img
+    // info shows it.
+    v["snapshots"] = json!(h.snapshots);
+    v["corrupt"] = json!(h.corrupt());
+    v["dirty"] = json!(h.dirty());
+    v["writable"] = h
+        .check_writable()
+        .err()
+        .map_or(Value::Bool(true), Value::String);
     v["backing_file"] = json!(text(&h.backing_name));
     v["backing_format"] = json!(text(&h.backing_format));
     if !a.backing.is_empty() {
@@ -207,6 +216,22 @@ fn render_image(v: &Value) -> String {
                 }
             ),
         );
+        if u(&v["snapshots"]) > 0 {
+            line("snapshots", format!("{} internal", u(&v["snapshots"])));
+        }
+        let mut flags = Vec::new();
+        if v["corrupt"].as_bool() == Some(true) {
+            flags.push("corrupt");
+        }
+        if v["dirty"].as_bool() == Some(true) {
+            flags.push("dirty (not closed cleanly, lazy refcounts)");
+        }
+        if !flags.is_empty() {
+            line("marked", flags.join(", "));
+        }
+        if let Some(why) = v["writable"].as_str() {
+            line("vblk serves it", format!("read-only only: {why}"));
+        }
         match v["backing_chain"].as_array() {
             Some(chain) => {
                 let levels: Vec<String> = chain

@@ -316,6 +316,29 @@ fn info_shows_the_format_the_allocation_and_the_chain() {
     let v = info(&["--backing", base.to_str().unwrap()]);
     assert_eq!(v["backing_chain"][0]["format"], "raw", "{v}");
     assert_eq!(v["backing_chain"][0]["virtual_size"], 16 << 20, "{v}");
+    assert_eq!(v["writable"], true, "{v}");
+    // What keeps vblk from writing it is shown, as qemu-img info shows it (it was not).
+    tool(d, "qemu-img", &["snapshot", "-c", "s1", "top.qcow2"]);
+    let v = info(&[]);
+    assert_eq!(v["snapshots"], 1, "{v}");
+    assert!(
+        v["writable"]
+            .as_str()
+            .is_some_and(|w| w.contains("1 internal snapshots")),
+        "{v}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_vblk"))
+        .args(["info", "--disk", d.join("top.qcow2").to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("snapshots              1 internal")
+            && text.contains(
+                "vblk serves it         read-only only: the image has 1 internal snapshots"
+            ),
+        "{text}"
+    );
 }
 
 /// `vblk disk add` of a qcow2 over a backing file, to a confined daemon (Landlock: it

@@ -26,6 +26,9 @@ pub const MAX_CLUSTER_BITS: u32 = 21;
 pub const MAX_L1_BYTES: u64 = 32 << 20;
 /// QEMU's limit on the refcount table: 8 MiB.
 pub const MAX_REFTABLE_BYTES: u64 = 8 << 20;
+/// The way out for a format feature vblk does not implement: a copy without it.
+const CONVERT: &str = "a copy vblk serves is `qemu-img convert -O qcow2 -o compat=1.1,extended_l2=off,compression_type=zlib IMAGE NEW.qcow2` (its data in the copy itself, no external data file)";
+
 /// QEMU's limit on internal snapshots.
 pub const MAX_SNAPSHOTS: u32 = 65536;
 /// The longest backing file name QEMU writes or reads.
@@ -189,11 +192,11 @@ impl fmt::Display for HeaderError {
                 if !names.is_empty() {
                     write!(f, " ({})", names.join(", "))?;
                 }
-                Ok(())
+                write!(f, "; {CONVERT}")
             }
             HeaderError::Compression { kind, bit } => write!(
                 f,
-                "compression type {kind} with the compression feature bit {}: vblk reads zlib (type 0, bit clear) only",
+                "compression type {kind} with the compression feature bit {}: vblk reads zlib (type 0, bit clear) only; {CONVERT}",
                 if *bit { "set" } else { "clear" }
             ),
             HeaderError::RefcountOrder(o) => write!(
@@ -202,7 +205,7 @@ impl fmt::Display for HeaderError {
             ),
             HeaderError::Encrypted(m) => write!(
                 f,
-                "encrypted image (crypt_method {m}): vblk does not serve encrypted qcow2"
+                "encrypted image (crypt_method {m}): vblk does not serve encrypted qcow2; an unencrypted copy is `qemu-img convert --object secret,id=s,data=PASSPHRASE --image-opts driver=qcow2,file.filename=IMAGE,encrypt.key-secret=s -O qcow2 NEW.qcow2` (or encrypt the host's storage instead)"
             ),
             HeaderError::Table {
                 what,
