@@ -9,8 +9,9 @@
 #   bursts   iops 1000, -max 5000, -max-length 2: the first RUNTIME seconds from a fresh
 #            limit (QEMU's model: min(avg*T + max*len, max*T + max/10) requests), then the
 #            base rate
-#   groups   two disks saturating a group of 20 k IOPS: each one's share of it, from the
-#            daemon's counters over a window in which both run
+#   groups   two disks saturating a group of 20 k IOPS (both at QD32, then one at QD1):
+#            each one's share of it, from the daemon's counters over a window in which
+#            both run
 # Prints configured, measured and the error; the raw JSON goes to OUT_DIR.
 #
 #   bash bench/qos.sh [RUNTIME_S] [OUT_DIR]
@@ -41,7 +42,7 @@ job() {
   local ramp_arg=()
   [ "$ramp" != 0 ] && ramp_arg=(--ramp_time="$ramp")
   taskset -c 0 "$V" --log-level warn bench --socket "$sock" --name "$name" --rw="$rw" --bs="$bs" \
-    --iodepth=32 --size=64g --runtime="$RUNTIME" --time_based "${ramp_arg[@]}" \
+    --iodepth="${DEPTH:-32}" --size=64g --runtime="$RUNTIME" --time_based "${ramp_arg[@]}" \
     --output-format=json >"$OUT/$name.json"
   echo "$OUT/$name.json"
 }
@@ -103,17 +104,20 @@ set_limit "throttle=none"
 # disk alone in the group rightly gets all of it): the shares come from the daemon's
 # counters over a RUNTIME-second window inside the time both jobs run.
 snap() { "$V" stats "$CTL" --json >"$OUT/$1.json"; }
-RUNTIME_JOBS=$((RUNTIME + 4))
-(RUNTIME=$RUNTIME_JOBS; job group-a "$D/a.sock" randread 4k 0 >/dev/null) &
-ja=$!
-(RUNTIME=$RUNTIME_JOBS; job group-b "$D/b.sock" randread 4k 0 >/dev/null) &
-jb=$!
-sleep 2
-snap group-start
-sleep "$RUNTIME"
-snap group-end
-wait "$ja" "$jb"
-read -r a b < <(python3 - "$OUT/group-start.json" "$OUT/group-end.json" <<'EOF'
+# group_pass NAME DEPTH_A: disk a at queue depth DEPTH_A, b at 32; prints "a b" (IOPS).
+group_pass() {
+  local name=$1 depth_a=$2
+  RUNTIME_JOBS=$((RUNTIME + 4))
+  (RUNTIME=$RUNTIME_JOBS DEPTH=$depth_a; job "$name-a" "$D/a.sock" randread 4k 0 >/dev/null) &
+  local ja=$!
+  (RUNTIME=$RUNTIME_JOBS; job "$name-b" "$D/b.sock" randread 4k 0 >/dev/null) &
+  local jb=$!
+  sleep 2
+  snap "$name-start"
+  sleep "$RUNTIME"
+  snap "$name-end"
+  wait "$ja" "$jb"
+  python3 - "$OUT/$name-start.json" "$OUT/$name-end.json" <<'EOF'
 import json, sys
 s, e = (json.load(open(p)) for p in sys.argv[1:3])
 secs = (e["uptime_ns"] - s["uptime_ns"]) / 1e9
@@ -122,8 +126,14 @@ def done(doc, id):
     return sum(q["completed"] for q in d["queues"])
 print(*((done(e, id) - done(s, id)) / secs for id in ("a", "b")))
 EOF
-)
+}
+read -r a b < <(group_pass group 32)
 row "group iops-total=20000, disk a" "randread 4k" 10000 "$a" IOPS
 row "group iops-total=20000, disk b" "randread 4k" 10000 "$b" IOPS
 row "group iops-total=20000, both" "randread 4k" 20000 "$(python3 -c "print($a + $b)")" IOPS
+# A disk at QD1 beside one at QD32: it stops waiting between its requests, and must
+# still get its half.
+read -r a b < <(group_pass group-qd1 1)
+row "group iops-total=20000, disk a at QD1" "randread 4k" 10000 "$a" IOPS
+row "group iops-total=20000, disk b at QD32" "randread 4k" 10000 "$b" IOPS
 echo "(JSON in $OUT)"
