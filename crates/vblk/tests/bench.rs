@@ -18,6 +18,14 @@ fn vblk() -> Command {
     c
 }
 
+/// Whether a run succeeded, and all it said (stdout, then stderr).
+fn outcome(out: &std::process::Output) -> (bool, String) {
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
 const SHORT: &[&str] = &[
     "--rw=randrw",
     "--bs=4k",
@@ -428,11 +436,7 @@ fn a_read_job_reads_a_file_its_user_may_only_read() {
             .args(extra)
             .output()
             .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr),
-        )
+        outcome(&out)
     };
     for path in [&["--rw=randread"][..], &["--rw=read", "--baseline"][..]] {
         let (ok, text) = run(path);
@@ -455,11 +459,7 @@ fn what_bench_changes_it_says_and_what_it_cannot_measure_fails() {
             .args(args)
             .output()
             .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr),
-        )
+        outcome(&out)
     };
     let (ok, text) = run(&["--offset=1000", "--iodepth=300", "--size=1m"]);
     assert!(ok, "{text}");

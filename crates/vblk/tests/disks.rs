@@ -984,24 +984,8 @@ fn log_lines_name_their_disk() {
         );
         // A frontend spoken by hand: memory, a ring started, then stopped.
         {
-            use std::os::fd::AsRawFd;
-            use support::raw_frontend::{self as rf, pf, req};
-            use support::raw_ring::{self as rr, Guest, Ring};
-            let mut c = rf::handshake(&y, pf::MQ | pf::CONFIG, true).unwrap();
-            let g = Guest::new(1 << 20, true, 0x1_0000_0000);
-            c.ok(
-                "SET_MEM_TABLE",
-                req::SET_MEM_TABLE,
-                &rf::mem_table(1, &[g.region()]),
-                &[g.fd()],
-            )
-            .unwrap();
-            let (kick, call) = (rr::eventfd(0, true), rr::eventfd(0, true));
-            Ring::new(0, 0)
-                .start(&mut c, &g, kick.as_raw_fd(), call.as_raw_fd())
-                .unwrap();
-            c.call_flags(req::GET_VRING_BASE, rf::VERSION, &rf::state(0, 0), &[])
-                .unwrap();
+            use support::raw_frontend::pf;
+            support::raw_ring::StartedRing::start(&y, pf::MQ | pf::CONFIG).stop();
         }
         let t0 = Instant::now();
         while !d.log_text().contains("frontend disconnected") {

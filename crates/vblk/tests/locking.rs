@@ -16,7 +16,7 @@ use driver::{Disk, DiskOptions};
 
 use support::assets::find_program;
 use support::daemon::{Backend, Daemon, Export};
-use support::util::{run_to_exit, temp_dir};
+use support::util::{qemu_tool, run_to_exit, temp_dir};
 
 const MIB: u64 = 1 << 20;
 /// A refused start fails at open, in milliseconds; this only bounds a hang.
@@ -301,7 +301,7 @@ fn a_resize_right_after_the_frontend_leaves_is_not_refused() {
 fn a_write_still_at_the_disk_at_the_switchover_lands_before_the_destinations() {
     use std::os::fd::AsRawFd;
     use support::raw_frontend::{self as rf, pf, req, u64p};
-    use support::raw_ring::{self as rr, Guest, Ring};
+    use support::raw_ring::{self as rr, Guest, StartedRing};
     let dir = temp_dir("locking");
     let d = dir.path();
     let img = image(d);
@@ -320,22 +320,10 @@ fn a_write_still_at_the_disk_at_the_switchover_lands_before_the_destinations() {
     );
     let dst = vblk(d, "dst", &img, &["--incoming"]);
     // The source's frontend: a ring, dirty logging on, a write of 'X' to sector 8.
-    let mut c = rf::handshake(&src.socket, pf::MQ | pf::CONFIG | pf::LOG_SHMFD, true).unwrap();
-    let g = Guest::new(1 << 20, true, 0x1_0000_0000);
-    c.ok(
-        "SET_MEM_TABLE",
-        req::SET_MEM_TABLE,
-        &rf::mem_table(1, &[g.region()]),
-        &[g.fd()],
-    )
-    .unwrap();
-    let (kick, call) = (rr::eventfd(0, true), rr::eventfd(0, true));
-    let mut ring = Ring::new(0, 0);
-    ring.start(&mut c, &g, kick.as_raw_fd(), call.as_raw_fd())
-        .unwrap();
+    let mut s = StartedRing::start(&src.socket, pf::MQ | pf::CONFIG | pf::LOG_SHMFD);
     // A bitmap for memory at 4 GiB (256 KiB covers 8 GiB), then LOG_ALL.
     let log = Guest::new(256 << 10, true, 0);
-    c.ok(
+    s.c.ok(
         "SET_LOG_BASE",
         req::SET_LOG_BASE,
         &[u64p(256 << 10), u64p(0)].concat(),
@@ -343,20 +331,19 @@ fn a_write_still_at_the_disk_at_the_switchover_lands_before_the_destinations() {
     )
     .unwrap();
     let features = rf::VERSION_1 | rf::F_PROTOCOL_FEATURES | (1 << 26);
-    c.ok(
+    s.c.ok(
         "SET_FEATURES (LOG_ALL)",
         req::SET_FEATURES,
         &u64p(features),
         &[],
     )
     .unwrap();
-    ring.write_req(&g, 8, b'X', None);
-    rr::write_u64(kick.as_raw_fd(), 1).unwrap();
+    s.ring.write_req(&s.g, 8, b'X', None);
+    rr::write_u64(s.kick.as_raw_fd(), 1).unwrap();
     let sent = Instant::now();
     // The switchover: the ring stops; the write is still held, so the stop is answered
     // after the drain timeout with the write fenced.
-    c.call_flags(req::GET_VRING_BASE, rf::VERSION, &rf::state(0, 0), &[])
-        .unwrap();
+    s.stop();
     // The destination's frontend writes 'Y' there and flushes.
     let disk = Disk::attach(&dst.socket, &DiskOptions::default()).unwrap();
     let mut q = disk.take_queue(0).unwrap();
@@ -379,7 +366,7 @@ fn a_write_still_at_the_disk_at_the_switchover_lands_before_the_destinations() {
         ),
         "{log}"
     );
-    drop(c);
+    drop(s);
 }
 
 fn wait_for_locks(img: &Path, want: &[u64], daemon: &Daemon) {
@@ -393,23 +380,6 @@ fn wait_for_locks(img: &Path, want: &[u64], daemon: &Daemon) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-fn qemu_tool(dir: &Path, program: &str, args: &[&str]) {
-    let out = Command::new(program)
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "{program} could not run ({e}): install qemu-utils (`apt-get install qemu-utils`)"
-            )
-        });
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[test]

@@ -21,22 +21,7 @@ use support::daemon::{Backend, Daemon, Export};
 use support::guest::Guest;
 use support::util::{run_to_exit, temp_dir, within};
 
-fn tool(dir: &Path, program: &str, args: &[&str]) {
-    let out = Command::new(program)
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "{program} could not run ({e}): install qemu-utils (`apt-get install qemu-utils`)"
-            )
-        });
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use support::util::qemu_tool as tool;
 
 /// top.qcow2 (32 MiB, written here and there, some of it compressed-free zeroes) over
 /// base.raw (16 MiB of a pattern); returns what QEMU reads from the top.

@@ -385,3 +385,51 @@ impl Ring {
         true
     }
 }
+
+/// A session spoken by hand with one ring started: the connection (protocol features
+/// `want` asked), 1 MiB of guest memory at 4 GiB, queue 0's ring on it, and its kick and
+/// call eventfds (the kick is written to kick the device).
+pub struct StartedRing {
+    pub c: Conn,
+    pub g: Guest,
+    pub ring: Ring,
+    pub kick: OwnedFd,
+    pub call: OwnedFd,
+}
+
+impl StartedRing {
+    pub fn start(sock: &std::path::Path, want: u64) -> StartedRing {
+        let mut c = super::raw_frontend::handshake(sock, want, true).unwrap();
+        let g = Guest::new(1 << 20, true, 0x1_0000_0000);
+        c.ok(
+            "SET_MEM_TABLE",
+            req::SET_MEM_TABLE,
+            &super::raw_frontend::mem_table(1, &[g.region()]),
+            &[g.fd()],
+        )
+        .unwrap();
+        let (kick, call) = (eventfd(0, true), eventfd(0, true));
+        let ring = Ring::new(0, 0);
+        ring.start(&mut c, &g, kick.as_raw_fd(), call.as_raw_fd())
+            .unwrap();
+        StartedRing {
+            c,
+            g,
+            ring,
+            kick,
+            call,
+        }
+    }
+
+    /// Stop queue 0 (GET_VRING_BASE), as QEMU does before a reset or a switchover.
+    pub fn stop(&mut self) {
+        self.c
+            .call_flags(
+                req::GET_VRING_BASE,
+                super::raw_frontend::VERSION,
+                &state(0, 0),
+                &[],
+            )
+            .unwrap();
+    }
+}

@@ -183,3 +183,22 @@ impl Rng {
         self.next() % n
     }
 }
+
+/// Run a QEMU tool (`qemu-img`, `qemu-io`) in `dir`; it must succeed. A missing tool is a
+/// failure that names the package.
+pub fn qemu_tool(dir: &std::path::Path, program: &str, args: &[&str]) {
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{program} could not run ({e}): install qemu-utils (`apt-get install qemu-utils`)"
+            )
+        });
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
