@@ -165,6 +165,9 @@ pub struct JobSpec {
     /// embedded device's or the baseline's file with O_DIRECT for `direct=1` unless
     /// `--cache` says otherwise (the cache is the target's, shared by the jobs).
     pub direct: Option<bool>,
+    /// What the program set up for this job that the job did not ask for, said in its
+    /// report's notes.
+    pub notes: Vec<String>,
     /// Names of fio options that were accepted and have no effect here, in first-seen order,
     /// without duplicates.
     pub ignored: Vec<String>,
@@ -195,6 +198,7 @@ impl Default for JobSpec {
             path: None,
             fua: false,
             direct: None,
+            notes: Vec::new(),
             ignored: Vec::new(),
         }
     }

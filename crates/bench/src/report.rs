@@ -27,7 +27,7 @@ fn mib(bytes_per_sec: f64) -> String {
 }
 
 /// An amount of bytes as fio's summary prints it: three significant figures in the
-/// largest binary unit that leaves at least one (7.81MiB, 8192B, 1.50GiB).
+/// largest binary unit that leaves at least one (7.81MiB, 8.00KiB, 512B, 1.50GiB).
 fn bytes_text(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;

@@ -286,6 +286,7 @@ pub fn run_job(
         .ignored
         .iter()
         .map(|o| format!("option {o} ignored"))
+        .chain(spec.notes.iter().cloned())
         .collect();
     if depth > usize::from(cfg.queue_size) {
         notes.push(format!(

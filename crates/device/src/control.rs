@@ -21,7 +21,8 @@
 //! - `{"op":"group","name":NAME,"limits":LIMITS}`: a throttle group's limits.
 //!
 //! Replies are `{"ok":true,...}` or `{"error":MESSAGE}`. The client is trusted as the
-//! daemon's operator (the socket is the daemon user's own, or a group's: `--socket-group`),
+//! daemon's operator (the socket is the daemon user's own, or a group's:
+//! `--control-socket-group`),
 //! but what it sends is still checked: a bad request gets an error, never a panic.
 
 use std::fs::File;

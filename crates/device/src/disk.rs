@@ -55,11 +55,12 @@ pub(crate) struct DiskShared {
     pub spec: String,
     /// Its QoS limits, and the workers to tell when they change.
     pub throttle: Mutex<DiskThrottle>,
-    /// Held while the image's write locks change hands outside a session: released when
-    /// the frontend leaves (`release_image`), taken back for `vblk disk resize`. A resize
-    /// that came while the last frontend's release was under way found the disk still
-    /// active, and then the image let go under it (EIO).
-    pub image_turn: Mutex<()>,
+    /// Held while the image's write locks change hands: released when the frontend
+    /// leaves (`release_image`) or at a switchover, taken back for `vblk disk resize` or
+    /// at a ring start. A resize that came while the last frontend's release was under
+    /// way found the disk still active, and then the image let go under it (EIO); one
+    /// racing a ring start could leave the ring on metadata not yet read again.
+    pub image_turn: Arc<Mutex<()>>,
     /// The image was let go at a migration's switchover (and not taken back since): a
     /// frontend that starts a ring here again is the way back, and waits for the other
     /// daemon's locks as a destination does.
@@ -160,7 +161,7 @@ impl DiskShared {
             attached: AtomicBool::new(false),
             spec,
             throttle: Mutex::new(throttle),
-            image_turn: Mutex::new(()),
+            image_turn: Arc::new(Mutex::new(())),
             handed_over: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -319,8 +320,7 @@ impl RunningDisk {
         let thread = std::thread::Builder::new()
             .name(format!("vblk-disk-{}", shared.id))
             .spawn(move || {
-                let _working = crate::log_context::Working::new(&s.id);
-                let r = accept_loop(&s, &listener, &c);
+                let r = crate::log_context::with_disk(&s.id, || accept_loop(&s, &listener, &c));
                 if let Err(e) = s.disk.flush() {
                     error!("disk {}: flushing at exit failed: {e}", s.id);
                 }
@@ -429,15 +429,20 @@ fn accept_loop(
         path: shared.listen.clone(),
         source,
     };
+    // A release of the image the fence put off when the last frontend left (true: it
+    // completes a migration's switchover), retried when the fence pokes this thread.
+    let mut pending: Option<bool> = None;
+    // Said once until a connection is taken again (the one waiting fires poll at once).
+    let mut accept_failing = false;
     while !controls.stopping() {
         match wait(listener.as_raw_fd(), controls).map_err(listen_err)? {
             Wake::Controls => {
                 if controls.take_resize() {
                     resize(shared, None);
                 }
-                // The fence may have cleared since the last frontend left: let the image go
-                // now (nothing here if it is let go already, or still fenced).
-                release_image(shared, controls);
+                if let Some(switchover) = pending {
+                    pending = release_image(shared, controls, switchover);
+                }
                 continue;
             }
             Wake::Socket => {}
@@ -446,19 +451,23 @@ fn accept_loop(
             Ok((stream, _)) => stream,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) if accept_may_recover(&e) => {
-                // Out of descriptors or memory, or a connection gone before it was
-                // taken: this frontend is lost, the disk goes on (it stopped the daemon).
-                warn!(
-                    "disk {}: cannot take a frontend's connection: {e}; the next is waited for",
-                    shared.id
-                );
+                // Out of descriptors or memory: the connection waits in the backlog and
+                // is taken once they are back; the disk goes on (it stopped the daemon).
+                if !accept_failing {
+                    warn!(
+                        "disk {}: cannot take a frontend's connection yet: {e}; trying again every {ACCEPT_RETRY:?}",
+                        shared.id
+                    );
+                    accept_failing = true;
+                }
                 std::thread::sleep(ACCEPT_RETRY);
                 continue;
             }
             Err(e) => return Err(listen_err(e)),
         };
+        accept_failing = false;
         shared.attached.store(true, Ordering::SeqCst);
-        serve_one(shared, stream, controls);
+        pending = serve_one(shared, stream, controls);
         shared.attached.store(false, Ordering::SeqCst);
     }
     info!("disk {}: stopping", shared.id);
@@ -493,8 +502,9 @@ fn describe(listen: &Listen) -> String {
 }
 
 /// Serve one frontend until it disconnects, breaks the protocol, or the disk stops.
-/// Whatever goes wrong with this connection ends only this connection.
-fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
+/// Whatever goes wrong with this connection ends only this connection. Returns the
+/// release of the image the fence put off, if any (`release_image`).
+fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) -> Option<bool> {
     let id = &shared.id;
     let stats = &shared.stats;
     let prepared = stream
@@ -505,7 +515,7 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
         Ok(c) => c,
         Err(e) => {
             error!("disk {id}: frontend connection refused: cannot set it up: {e}");
-            return;
+            return None;
         }
     };
     let mut session = match Session::new(shared, conn) {
@@ -516,7 +526,7 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
                 .failed_setups
                 .fetch_add(1, Ordering::Relaxed);
             error!("disk {id}: frontend connection closed: its session cannot be set up: {e}; waiting for the next");
-            return;
+            return None;
         }
     };
     info!("disk {id}: frontend connected");
@@ -571,6 +581,8 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
         }
     }
     let counters = session.counters();
+    // A switchover that waited for requests still at the disk completes with the release.
+    let switchover = session.hand_over_waits();
     drop(session);
     // The frontend learns now that the session is over, even if a worker that did not
     // end within the drain timeout still holds a clone of the connection (to end it).
@@ -584,7 +596,7 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
     for (q, done, bad, failed) in counters {
         info!("disk {id}: queue {q}: {done} requests completed, {bad} rejected, {failed} failed");
     }
-    release_image(shared, controls);
+    release_image(shared, controls, switchover)
 }
 
 /// With no frontend, the daemon writes nothing: make the image durable and let its write
@@ -594,15 +606,27 @@ fn serve_one(shared: &DiskShared, mut stream: UnixStream, controls: &Controls) {
 /// the source's QEMU has gone (as QEMU inactivates its images at the end of every
 /// migration). Kept while requests of the session may still reach the disk (the reset
 /// fence holds some, or a worker of it still exists, whose engine may hold some that no
-/// fence counts yet) until they have ended (the fence pokes the disk's thread, which
-/// calls this again), and when the daemon stops (it closes the image anyway).
-fn release_image(shared: &DiskShared, controls: &Controls) {
-    // Retried when the fence clears (it pokes the disk's thread).
-    if controls.stopping() || !shared.fence.clear() {
-        return;
+/// fence counts yet) until they have ended, and when the daemon stops (it closes the
+/// image anyway). `switchover`: the session's switchover put its hand-over off for such
+/// requests; this completes it (the disk is then one that handed its image over).
+/// Returns `Some(switchover)` when the fence put the release off: the caller calls again
+/// when the fence pokes the disk's thread.
+fn release_image(shared: &DiskShared, controls: &Controls, switchover: bool) -> Option<bool> {
+    if controls.stopping() {
+        return None;
+    }
+    if !shared.fence.clear() {
+        return Some(switchover);
     }
     let _turn = shared.image_turn.lock().unwrap_or_else(|p| p.into_inner());
     match shared.disk.deactivate() {
+        Ok(true) if switchover => {
+            shared.handed_over.store(true, Ordering::Release);
+            info!(
+                "disk {}: the requests still at the disk at the switchover have ended: writes made durable, the image's write locks released for the destination",
+                shared.id
+            )
+        }
         Ok(true) => info!(
             "disk {}: no frontend: writes made durable, the image's write locks released until a frontend starts a ring",
             shared.id
@@ -613,6 +637,7 @@ fn release_image(shared: &DiskShared, controls: &Controls) {
             shared.id
         ),
     }
+    None
 }
 
 fn make_listener(

@@ -4,7 +4,6 @@
 //! prefixes lines that do not name a disk already.
 
 use std::cell::Cell;
-use std::marker::PhantomData;
 
 thread_local! {
     /// The name of the disk this thread works for now.
@@ -14,77 +13,61 @@ thread_local! {
 /// Call `f` with the name of the disk this thread works for now, if any.
 pub fn with_current_disk<R>(f: impl FnOnce(Option<&str>) -> R) -> R {
     DISK.with(|d| {
-        // SAFETY: a pointer is stored only by a `Working` guard, which borrows the
-        // string for its whole life and puts the previous pointer back when dropped,
-        // on this thread: a stored pointer always points to a live string.
+        // SAFETY: a pointer is stored only by `with_disk_ptr` (and `with_disk`), for the
+        // length of a call during which the caller keeps the string alive, and the
+        // previous one is put back when that call ends, however it ends (`Restore`): a
+        // stored pointer always points to a live string.
         let name = d.get().map(|p| unsafe { &*p });
         f(name)
     })
 }
 
-/// While alive, this thread works for the disk it names.
-pub(crate) struct Working<'a> {
-    prev: Option<*const str>,
-    _name: PhantomData<&'a str>,
+/// Run `f` as work for the disk `name`.
+pub(crate) fn with_disk<R>(name: &str, f: impl FnOnce() -> R) -> R {
+    // SAFETY: `name` is borrowed for the whole call.
+    unsafe { with_disk_ptr(name, f) }
 }
 
-impl<'a> Working<'a> {
-    pub(crate) fn new(name: &'a str) -> Working<'a> {
-        let prev = DISK.with(|d| d.replace(Some(name as *const str)));
-        Working {
-            prev,
-            _name: PhantomData,
+/// [`with_disk`] for a name the caller cannot lend while `f` runs (it lives in what `f`
+/// borrows mutably).
+///
+/// # Safety
+///
+/// `name` must point to a string that stays alive, unmoved and unchanged until this
+/// returns.
+pub(crate) unsafe fn with_disk_ptr<R>(name: *const str, f: impl FnOnce() -> R) -> R {
+    /// Puts the previous name back, on a return or an unwind alike.
+    struct Restore(Option<*const str>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            DISK.with(|d| d.set(self.0));
         }
     }
-}
-
-impl Working<'static> {
-    /// A guard for a name the caller keeps alive otherwise.
-    ///
-    /// # Safety
-    ///
-    /// `name` must point to a live string until the guard is dropped.
-    pub(crate) unsafe fn from_raw(name: *const str) -> Working<'static> {
-        let prev = DISK.with(|d| d.replace(Some(name)));
-        Working {
-            prev,
-            _name: PhantomData,
-        }
-    }
-}
-
-impl Drop for Working<'_> {
-    fn drop(&mut self) {
-        DISK.with(|d| d.set(self.prev));
-    }
+    let _restore = Restore(DISK.with(|d| d.replace(Some(name))));
+    f()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn now() -> Option<String> {
+        with_current_disk(|d| d.map(str::to_owned))
+    }
+
     #[test]
-    fn the_disk_is_named_while_a_guard_lives_and_nests() {
-        assert_eq!(with_current_disk(|d| d.map(str::to_owned)), None);
+    fn the_disk_is_named_during_its_call_and_calls_nest() {
+        assert_eq!(now(), None);
         let a = String::from("a");
-        {
-            let _a = Working::new(&a);
-            assert_eq!(
-                with_current_disk(|d| d.map(str::to_owned)).as_deref(),
-                Some("a")
-            );
-            {
-                let _b = Working::new("b");
-                assert_eq!(
-                    with_current_disk(|d| d.map(str::to_owned)).as_deref(),
-                    Some("b")
-                );
-            }
-            assert_eq!(
-                with_current_disk(|d| d.map(str::to_owned)).as_deref(),
-                Some("a")
-            );
-        }
-        assert_eq!(with_current_disk(|d| d.map(str::to_owned)), None);
+        with_disk(&a, || {
+            assert_eq!(now().as_deref(), Some("a"));
+            with_disk("b", || assert_eq!(now().as_deref(), Some("b")));
+            assert_eq!(now().as_deref(), Some("a"));
+        });
+        assert_eq!(now(), None);
+        // An unwind puts the previous name back too.
+        let r = std::panic::catch_unwind(|| with_disk("c", || panic!("in the call")));
+        assert!(r.is_err());
+        assert_eq!(now(), None);
     }
 }

@@ -388,6 +388,11 @@ impl TryFrom<&BenchArgs> for Plan {
                     "{} (--cache {cache} is the target's, for every job)",
                     if wants_direct { "direct=1" } else { "direct=0" }
                 ));
+            } else if j.direct.is_none() && a.cache.is_none() && direct {
+                // Said where it applies without the job asking.
+                j.notes.push(
+                    "O_DIRECT (cache none): another job says direct=1, and the cache is the target's, for every job".into(),
+                );
             }
         }
         let target = if let Some(path) = &a.socket {

@@ -517,7 +517,7 @@ fn a_job_files_direct_means_o_direct_unless_cache_says_otherwise() {
     let file = write_job(
         dir.path(),
         "direct.fio",
-        "[global]\nbs=4k\nsize=4m\ndirect=1\n[r]\nrw=randread\n",
+        "[global]\nbs=4k\nsize=4m\n[r]\nrw=randread\ndirect=1\n[s]\nrw=read\n",
     );
     let run = |extra: &[&str]| {
         let out = vblk()
@@ -537,6 +537,11 @@ fn a_job_files_direct_means_o_direct_unless_cache_says_otherwise() {
     let text = run(&[]);
     assert!(text.contains("(cache none)"), "{text}");
     assert!(!text.contains("option direct"), "{text}");
+    // The job that did not ask is told (the cache is the target's, for every job).
+    assert!(
+        text.contains("O_DIRECT (cache none): another job says direct=1"),
+        "{text}"
+    );
     for base in [&["--baseline"][..], &["--cache", "writeback"][..]] {
         let text = run(base);
         if base[0] == "--baseline" {

@@ -799,6 +799,13 @@ fn a_daemon_out_of_descriptors_goes_on_serving() {
             assert!(t0.elapsed() < Duration::from_secs(10), "{}", d.describe());
             std::thread::sleep(Duration::from_millis(20));
         }
+        // Said once, not at every retry (the connection waiting fires poll at once).
+        std::thread::sleep(Duration::from_millis(500));
+        let said = d
+            .log_text()
+            .matches("cannot take a frontend's connection")
+            .count();
+        assert_eq!(said, 1, "{}", d.describe());
         drop(c);
         d.assert_running("after running out of descriptors");
         limit(1024);

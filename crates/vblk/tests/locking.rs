@@ -299,6 +299,19 @@ fn a_resize_right_after_the_frontend_leaves_is_not_refused() {
 /// (a guest's flushed data lost).
 #[test]
 fn a_write_still_at_the_disk_at_the_switchover_lands_before_the_destinations() {
+    switchover_with_a_write_held(false);
+}
+
+/// The same when the source's frontend leaves right after the switchover (QEMU quits the
+/// source once the migration completed), before the held write has landed: the daemon
+/// hands the image over once it has (the release was put off and never tried again, so
+/// the destination waited for locks that never came).
+#[test]
+fn a_switchover_put_off_completes_after_its_frontend_left() {
+    switchover_with_a_write_held(true);
+}
+
+fn switchover_with_a_write_held(source_leaves: bool) {
     use std::os::fd::AsRawFd;
     use support::raw_frontend::{self as rf, pf, req, u64p};
     use support::raw_ring::{self as rr, Guest, StartedRing};
@@ -344,6 +357,9 @@ fn a_write_still_at_the_disk_at_the_switchover_lands_before_the_destinations() {
     // The switchover: the ring stops; the write is still held, so the stop is answered
     // after the drain timeout with the write fenced.
     s.stop();
+    if source_leaves {
+        drop(s);
+    }
     // The destination's frontend writes 'Y' there and flushes.
     let disk = Disk::attach(&dst.socket, &DiskOptions::default()).unwrap();
     let mut q = disk.take_queue(0).unwrap();
@@ -366,7 +382,83 @@ fn a_write_still_at_the_disk_at_the_switchover_lands_before_the_destinations() {
         ),
         "{log}"
     );
-    drop(s);
+    if source_leaves {
+        assert!(
+            log.contains("the requests still at the disk at the switchover have ended"),
+            "{log}"
+        );
+    }
+}
+
+/// A daemon keeps the image's locks through a reload (SIGHUP) and a `vblk disk resize`
+/// before any frontend came: a second writer is still refused. Every wake-up of the
+/// disk's thread let them go.
+#[test]
+fn a_reload_before_any_frontend_keeps_the_image() {
+    let dir = temp_dir("locking");
+    let img = image(dir.path());
+    let ctl = dir.path().join("ctl.sock");
+    let mut first = vblk(
+        dir.path(),
+        "first",
+        &img,
+        &["--control-socket", ctl.to_str().unwrap()],
+    );
+    assert_eq!(locked_bytes(&img), [100, 101, 201]);
+    // SAFETY: kill(2) with a pid this test started and a signal number.
+    assert_eq!(unsafe { libc::kill(first.pid() as i32, libc::SIGHUP) }, 0);
+    let (ok, out) = support::cli::vblk(&["disk", "resize", ctl.to_str().unwrap(), "first", "32M"]);
+    assert!(ok, "{out}");
+    let t0 = Instant::now();
+    while !first.log_text().contains("resized from") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{}",
+            first.describe()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Both wake-ups are handled by now; give the thread a moment to act on them.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(locked_bytes(&img), [100, 101, 201], "{}", first.describe());
+    vblk_refused(dir.path(), &img, &[]);
+    first.assert_running("after a reload");
+}
+
+/// A qcow2 image another program shrank while no frontend held it is not served smaller
+/// unless --allow-shrink says so (as SIGHUP refuses a shrink): the next ring start is
+/// refused, naming both sizes. It was adopted, and the guest told of the smaller disk.
+#[test]
+fn a_qcow2_shrunk_meanwhile_is_refused_without_allow_shrink() {
+    let dir = temp_dir("locking");
+    let d = dir.path();
+    let img = d.join("disk.qcow2");
+    qemu_tool(
+        d,
+        "qemu-img",
+        &["create", "-f", "qcow2", "disk.qcow2", "32M"],
+    );
+    let daemon = vblk(d, "q", &img, &["--format", "qcow2"]);
+    let disk = Disk::attach(&daemon.socket, &DiskOptions::default()).unwrap();
+    disk.take_queue(0)
+        .unwrap()
+        .read_at(0, &mut [0; 4096])
+        .unwrap();
+    drop(disk);
+    wait_for_locks(&img, &[], &daemon);
+    qemu_tool(d, "qemu-img", &["resize", "--shrink", "disk.qcow2", "16M"]);
+    let refused = Disk::attach(&daemon.socket, &DiskOptions::default())
+        .ok()
+        .and_then(|disk| disk.take_queue(0).map(|mut q| q.read_at(0, &mut [0; 4096])))
+        .is_none_or(|r| r.is_err());
+    assert!(refused, "a shrunk image was served: {}", daemon.describe());
+    let log = daemon.log_text();
+    assert!(
+        log.contains(
+            "the image shrank from 33554432 to 16777216 bytes while another program held it"
+        ),
+        "{log}"
+    );
 }
 
 fn wait_for_locks(img: &Path, want: &[u64], daemon: &Daemon) {

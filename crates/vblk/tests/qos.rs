@@ -217,18 +217,22 @@ fn a_group_is_shared_fairly_and_changes_live() {
                 "disk {name}: {got:.0} IOPS of a fair 1500 ({x:.0} + {y:.0})"
             );
         }
-        // A disk at QD1 beside one at QD32 gets its half too (it got 45 %: each of its
-        // requests started it level with the other, forgiving what it was behind).
-        rate_within_2pct("the group's total, QD1 beside QD32", 3000.0, || {
-            (x, y) = pair_at(["--iodepth=1", "--iodepth=32"]);
-            x + y
+        // A disk at QD1 beside one at QD32 gets its half too (it got 44 %: each of its
+        // requests started it level with the other, forgiving what it was behind). Tried
+        // up to three times, as the rates are: on a loaded machine the QD1 job may miss
+        // its turns in one window (its next request must come within a slot, 333 µs).
+        let mut seen = Vec::new();
+        let fair = (0..3).any(|_| {
+            let (x, y) = pair_at(["--iodepth=1", "--iodepth=32"]);
+            seen.push(format!("{x:.0} + {y:.0}"));
+            (x + y - 3000.0).abs() <= 60.0
+                && (x - 1500.0).abs() <= 75.0
+                && (y - 1500.0).abs() <= 75.0
         });
-        for (name, got) in [("a at QD1", x), ("b at QD32", y)] {
-            assert!(
-                (got - 1500.0).abs() <= 75.0,
-                "disk {name}: {got:.0} IOPS of a fair 1500 ({x:.0} + {y:.0})"
-            );
-        }
+        assert!(
+            fair,
+            "QD1 (a) beside QD32 (b) in a group of 3000, not 1500 each: {seen:?}"
+        );
         let args = saturate("randread", "4k");
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         rate_within_2pct("one disk alone in the group", 3000.0, || bench(&a, &args).0);

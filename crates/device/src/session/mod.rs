@@ -125,6 +125,10 @@ pub(crate) struct Session {
     incoming: bool,
     /// The disk's: the image was handed over at a switchover (DiskShared::handed_over).
     handed_over: Arc<AtomicBool>,
+    /// The disk's: held while the image's write locks change hands (DiskShared).
+    image_turn: Arc<std::sync::Mutex<()>>,
+    /// `--allow-shrink`: a smaller image taken over is served smaller.
+    allow_shrink: bool,
     /// (completed, rejected, failed) per queue when the session began.
     base: Vec<(u64, u64, u64)>,
 }
@@ -229,6 +233,8 @@ impl Session {
             hand_over_waits: false,
             incoming: config.image.incoming,
             handed_over: shared.handed_over.clone(),
+            image_turn: shared.image_turn.clone(),
+            allow_shrink: config.allow_shrink,
         })
     }
 
@@ -319,7 +325,11 @@ impl Session {
         // Only where the other writer is a migration's other end: another QEMU or
         // daemon that holds the image is refused at once.
         let since = Instant::now();
-        let mut activated = self.disk.activate();
+        let activate = || {
+            let _turn = self.image_turn.lock().unwrap_or_else(|p| p.into_inner());
+            self.disk.activate()
+        };
+        let mut activated = activate();
         let mut said = false;
         let migrating = self.incoming || self.handed_over.load(Ordering::Acquire);
         while migrating
@@ -334,7 +344,7 @@ impl Session {
                 said = true;
             }
             std::thread::sleep(LOCK_RETRY);
-            activated = self.disk.activate();
+            activated = activate();
         }
         if said && activated.is_ok() {
             info!(
@@ -345,14 +355,26 @@ impl Session {
         match activated {
             Ok(false) => Ok(()),
             Ok(true) => {
+                // Another program may have resized the image while nobody here held it
+                // (`qemu-img resize` while no frontend was attached): the frontend read
+                // the old capacity with the configuration and learns the new one now. A
+                // smaller one is what SIGHUP refuses without --allow-shrink: the image
+                // goes back, and the ring does not start.
+                let sectors = self.disk.size() >> proto::wire::SECTOR_SHIFT;
+                if sectors < self.capacity() && !self.allow_shrink {
+                    let turn = self.image_turn.clone();
+                    let _turn = turn.lock().unwrap_or_else(|p| p.into_inner());
+                    let _ = self.disk.deactivate();
+                    return Err(refuse(format!(
+                        "queue {index} cannot start: the image shrank from {} to {} bytes while another program held it, and what the guest had past its new end is gone (--allow-shrink serves it smaller)",
+                        self.capacity() << proto::wire::SECTOR_SHIFT,
+                        sectors << proto::wire::SECTOR_SHIFT
+                    )));
+                }
                 self.handed_over.store(false, Ordering::Release);
                 if let Some(wb) = self.disk.remembered_writeback() {
                     self.blk.writeback.store(wb, Ordering::Relaxed);
                 }
-                // Another program may have resized the image while nobody here held it
-                // (`qemu-img resize` while no frontend was attached): the frontend read
-                // the old capacity with the configuration and learns the new one now.
-                let sectors = self.disk.size() >> proto::wire::SECTOR_SHIFT;
                 if sectors != self.capacity() {
                     self.capacity_changed(sectors);
                 }
@@ -396,6 +418,8 @@ impl Session {
             return;
         }
         self.hand_over_waits = false;
+        let turn = self.image_turn.clone();
+        let _turn = turn.lock().unwrap_or_else(|p| p.into_inner());
         match self.disk.deactivate() {
             Ok(true) => {
                 self.handed_over.store(true, Ordering::Release);
@@ -408,6 +432,11 @@ impl Session {
                 "cannot hand the image over at the switchover: {e}; the destination will find it locked"
             ),
         }
+    }
+
+    /// Whether a switchover's hand-over waits for requests still at the disk.
+    pub(crate) fn hand_over_waits(&self) -> bool {
+        self.hand_over_waits
     }
 
     /// The hand-over [`Session::maybe_hand_over`] put off for requests still at the disk,

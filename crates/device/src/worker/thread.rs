@@ -331,14 +331,18 @@ impl Worker {
     /// mailbox refuses commands, its session learns it is lost) and `None` is returned.
     fn service(&mut self, now: Instant) -> Option<bool> {
         // Log lines written meanwhile name the disk. The round borrows the worker
-        // mutably, so the guard holds a pointer to the name, not a borrow (a clone would
-        // cost two atomic operations per worker per round).
+        // mutably, so the name is lent as a pointer, not a borrow (a clone would cost two
+        // atomic operations per worker per round).
         let disk: *const str = &*self.disk;
         // SAFETY: the name is the heap string of `self.disk`, an Arc<str> the worker
-        // holds for its whole life and never replaces; the guard is dropped at the end
-        // of this call, while `self` lives.
-        let _working = unsafe { crate::log_context::Working::from_raw(disk) };
-        match catch_unwind(AssertUnwindSafe(|| self.serve_round(now))) {
+        // holds for its whole life and never replaces or changes; the call ends before
+        // this function returns, while `self` lives.
+        let round = unsafe {
+            crate::log_context::with_disk_ptr(disk, || {
+                catch_unwind(AssertUnwindSafe(|| self.serve_round(now)))
+            })
+        };
+        match round {
             Ok(p) => Some(p),
             Err(_) => {
                 error!(
