@@ -180,21 +180,8 @@ fn a_daemon_without_a_frontend_lets_the_image_go() {
 fn a_qcow2_resized_while_no_frontend_holds_it_is_served_at_its_new_size() {
     let dir = temp_dir("locking");
     let d = dir.path();
-    let img = d.join("disk.qcow2");
-    qemu_tool(
-        d,
-        "qemu-img",
-        &["create", "-f", "qcow2", "disk.qcow2", "16M"],
-    );
-    let daemon = vblk(d, "q", &img, &["--format", "qcow2"]);
-    // A frontend that reads only: the file is left as qemu-img made it (196616 bytes).
-    let disk = Disk::attach(&daemon.socket, &DiskOptions::default()).unwrap();
-    disk.take_queue(0)
-        .unwrap()
-        .read_at(0, &mut [0; 4096])
-        .unwrap();
-    drop(disk);
-    wait_for_locks(&img, &[], &daemon);
+    // A frontend that read only: the file is left as qemu-img made it (196616 bytes).
+    let (img, daemon) = qcow2_let_go(d, "16M");
     let disk = Disk::attach(&daemon.socket, &DiskOptions::default()).unwrap();
     let mut q = disk.take_queue(0).unwrap();
     q.write_at(0, &[7; 4096]).unwrap();
@@ -432,20 +419,7 @@ fn a_reload_before_any_frontend_keeps_the_image() {
 fn a_qcow2_shrunk_meanwhile_is_refused_without_allow_shrink() {
     let dir = temp_dir("locking");
     let d = dir.path();
-    let img = d.join("disk.qcow2");
-    qemu_tool(
-        d,
-        "qemu-img",
-        &["create", "-f", "qcow2", "disk.qcow2", "32M"],
-    );
-    let daemon = vblk(d, "q", &img, &["--format", "qcow2"]);
-    let disk = Disk::attach(&daemon.socket, &DiskOptions::default()).unwrap();
-    disk.take_queue(0)
-        .unwrap()
-        .read_at(0, &mut [0; 4096])
-        .unwrap();
-    drop(disk);
-    wait_for_locks(&img, &[], &daemon);
+    let (_img, daemon) = qcow2_let_go(d, "32M");
     qemu_tool(d, "qemu-img", &["resize", "--shrink", "disk.qcow2", "16M"]);
     let refused = Disk::attach(&daemon.socket, &DiskOptions::default())
         .ok()
@@ -459,6 +433,26 @@ fn a_qcow2_shrunk_meanwhile_is_refused_without_allow_shrink() {
         ),
         "{log}"
     );
+}
+
+/// A new qcow2 image of `size` in `dir` (disk.qcow2), served by a daemon whose first
+/// frontend read from it and left: the daemon has let the image go.
+fn qcow2_let_go(dir: &Path, size: &str) -> (PathBuf, Daemon) {
+    let img = dir.join("disk.qcow2");
+    qemu_tool(
+        dir,
+        "qemu-img",
+        &["create", "-f", "qcow2", "disk.qcow2", size],
+    );
+    let daemon = vblk(dir, "q", &img, &["--format", "qcow2"]);
+    let disk = Disk::attach(&daemon.socket, &DiskOptions::default()).unwrap();
+    disk.take_queue(0)
+        .unwrap()
+        .read_at(0, &mut [0; 4096])
+        .unwrap();
+    drop(disk);
+    wait_for_locks(&img, &[], &daemon);
+    (img, daemon)
 }
 
 fn wait_for_locks(img: &Path, want: &[u64], daemon: &Daemon) {
