@@ -241,6 +241,7 @@ pub(crate) struct Stats {
 /// A disk's image format, backing chain and allocation: `{"format":"qcow2","version":3,
 /// "cluster_size":..,"virtual_size":..,"file_size":..,"read_only":..,
 /// "clusters_allocated":..,"l2_slices_read":..,"cache_bytes":..,"writebacks":..,
+/// "owner_writes":..,
 /// "backing":[{"path":..,"format":..},..]}` (the counts since the daemon opened it); files
 /// and block devices are `{"format":"raw"}`; other disks `null`.
 pub fn image_of(b: &storage::Backend) -> Value {
@@ -274,6 +275,7 @@ pub fn image_of(b: &storage::Backend) -> Value {
         "l2_slices_read": st.l2_slices_read,
         "cache_bytes": st.cache_bytes,
         "writebacks": st.writebacks,
+        "owner_writes": st.owner_writes,
         "backing": chain,
     })
 }

@@ -275,9 +275,10 @@ fn print_disk(v: &Value, uptime_ns: u64) {
             }
         );
         outln!(
-            "image since start: {allocated} clusters allocated ({:.1} MiB), mappings written back {} times; L2 cache of {} KiB, {} slices read from the file",
+            "image since start: {allocated} clusters allocated ({:.1} MiB), mappings written back {} times, {} writes done on the metadata thread (copy-on-write, write-through); L2 cache of {} KiB, {} slices read from the file",
             (allocated * cluster) as f64 / (1u64 << 20) as f64,
             u(&i["writebacks"]),
+            u(&i["owner_writes"]),
             u(&i["cache_bytes"]) / 1024,
             u(&i["l2_slices_read"]),
         );

@@ -79,6 +79,8 @@ pub(crate) struct Counters {
     pub(crate) l2_reads: AtomicU64,
     /// Changed mappings written back (each ends with an fdatasync).
     pub(crate) writebacks: AtomicU64,
+    /// Guest writes the owner wrote itself, on its thread.
+    pub(crate) owner_writes: AtomicU64,
 }
 
 /// An image's figures for `vblk stats`.
@@ -97,6 +99,10 @@ pub struct ImageStats {
     /// Times the changed mappings were written back (a FLUSH, a second after a change,
     /// or many changes).
     pub writebacks: u64,
+    /// Guest writes the metadata thread wrote itself, one at a time (a copy-on-write, a
+    /// write-through write that changes a mapping, a zero cluster's own cluster): the
+    /// others are written by the workers, in parallel.
+    pub owner_writes: u64,
 }
 
 /// An opened qcow2 image, shared by every engine on it.
@@ -116,6 +122,7 @@ pub struct Image {
     owner: Option<JoinHandle<()>>,
     counters: Arc<Counters>,
     cache_bytes: u64,
+    hold: Arc<super::hold::Hold>,
 }
 
 impl Image {
@@ -216,6 +223,13 @@ impl Image {
         self.container.size()
     }
 
+    /// Testing aid: the metadata owner stops at the end of its next batch of jobs that
+    /// changed a mapping, before it writes the mappings to the file, until the returned
+    /// value is dropped ([`super::hold`]).
+    pub fn hold_mappings(&self) -> super::MappingsHeld {
+        super::MappingsHeld::new(Arc::clone(&self.hold))
+    }
+
     /// What the image's metadata owner did since it was opened.
     pub fn stats(&self) -> ImageStats {
         let c = &self.counters;
@@ -226,6 +240,7 @@ impl Image {
             l2_slices_read: c.l2_reads.load(Ordering::Relaxed),
             cache_bytes: self.cache_bytes,
             writebacks: c.writebacks.load(Ordering::Relaxed),
+            owner_writes: c.owner_writes.load(Ordering::Relaxed),
         }
     }
 }
@@ -347,10 +362,12 @@ pub(crate) fn open(
         mappings: Vec::new(),
         counters: Arc::default(),
         outbox: Vec::with_capacity(64),
+        hold: Arc::default(),
         inactive,
         failures: (0, 0, None),
     };
     let counters = Arc::clone(&owner.counters);
+    let hold = Arc::clone(&owner.hold);
     let c = Arc::clone(&container);
     let handle = std::thread::Builder::new()
         .name("vblk-qcow2".into())
@@ -388,6 +405,7 @@ pub(crate) fn open(
         owner: Some(handle),
         counters,
         cache_bytes: cache_slices as u64 * 4096,
+        hold,
     })
 }
 

@@ -8,6 +8,7 @@ pub mod entry;
 mod fileio;
 mod handoff;
 pub mod header;
+mod hold;
 pub(crate) mod image;
 mod iov;
 pub mod meta;
@@ -18,4 +19,5 @@ mod table;
 mod write;
 
 pub use header::{Header, HeaderError};
+pub use hold::MappingsHeld;
 pub use image::{BackingFile, Image, ImageStats, DEFAULT_CACHE_BYTES};

@@ -160,6 +160,8 @@ pub(crate) struct Owner {
     pub(crate) counters: Arc<Counters>,
     /// The batch's answers, posted once its mappings are in the file.
     pub(crate) outbox: Vec<(Arc<Mailbox>, Answer, bool)>,
+    /// Testing aid: where the owner stops before it writes changed mappings.
+    pub(crate) hold: Arc<super::hold::Hold>,
     /// Another daemon may write the image (a migration's other end): no write, discard
     /// or write-zeroes is done until the image is taken over (qcow2/handoff.rs).
     pub(crate) inactive: bool,

@@ -22,9 +22,10 @@ pub(crate) enum Entry {
     /// As `Data`, and the cluster may be written in place: its refcount is 1 and the
     /// mapping is durable in the file.
     Owned(u64),
-    /// A cluster the writer just allocated (refcount 1), whose mapping is not durable
-    /// yet: written in place except by write-through writes (which must make the mapping
-    /// durable too, so they go to the owner).
+    /// A cluster the writer just allocated (refcount 1), whose mapping is in the file but
+    /// not durable yet: written in place except by write-through writes (which must make
+    /// the mapping durable too, so they go to the owner). Until its mapping is in the
+    /// file, the table calls it `Data`: read in place, written by way of the owner.
     Fresh(u64),
     /// Needs the owner: a compressed cluster, or a data cluster that reaches past the end
     /// of the file (the part past it reads as zeroes).

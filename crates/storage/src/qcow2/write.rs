@@ -69,6 +69,12 @@ pub(crate) struct Writer {
     /// were last written: written at the end of the owner's batch of jobs, before the
     /// jobs are answered.
     dirty: BTreeSet<u64>,
+    /// Guest clusters given a cluster of their own since the slices were last written:
+    /// the table lets the workers write them in place only once their mapping is in the
+    /// file (`Owner::flush_mappings`). Until then their writes come to the owner, which
+    /// answers them after the mapping is written, so that no write a worker acknowledged
+    /// lands in a cluster a SIGKILL would leave unmapped.
+    unwritten: BTreeSet<u64>,
     /// A copy-on-write's bytes were written in this batch: synced before its mapping.
     sync_first: bool,
     /// L2 entries on their way to the file (kept for its capacity), and where each run
@@ -118,6 +124,7 @@ impl Writer {
             batch_bytes: BATCH_BYTES,
             last_batch: None,
             dirty: BTreeSet::new(),
+            unwritten: BTreeSet::new(),
             sync_first: false,
             l2buf: Vec::new(),
             l2runs: Vec::new(),
@@ -150,6 +157,7 @@ impl Writer {
         self.batch_bytes = BATCH_BYTES;
         self.last_batch = None;
         self.dirty.clear();
+        self.unwritten.clear();
         self.sync_first = false;
         self.since = None;
     }
@@ -178,9 +186,12 @@ impl Writer {
     }
 
     /// The table entry for guest cluster `gc` mapped as `m`: a cluster whose mapping is
-    /// not synced yet is fresh (written in place by the workers except write-through).
+    /// not synced yet is fresh (written in place by the workers except write-through),
+    /// one whose mapping is not even in the file yet is read in place only (its writes
+    /// go to the owner).
     pub(crate) fn entry(&self, gc: u64, m: Mapping, cluster: u64, file_size: u64) -> Entry {
         match Entry::of(m, cluster, file_size) {
+            Entry::Owned(h) if self.unwritten.contains(&gc) => Entry::Data(h),
             Entry::Owned(h) if self.pending_l2.contains_key(&gc) => Entry::Fresh(h),
             e => e,
         }
@@ -258,15 +269,17 @@ impl Owner {
             }
         }
         self.write_piece(src, offset, len, From::Guest(iov, iovcnt))?;
+        self.counters.owner_writes.fetch_add(1, Ordering::Relaxed);
         if durable {
             self.flush_job(src)?;
         }
         Ok(None)
     }
 
-    /// If guest offset `offset`'s cluster reads as zeroes and is not mapped to a cluster
-    /// of its own, give it a new one (a hole) and return it; the data is the caller's.
-    /// A crash before that data lands leaves the cluster reading zeroes, as it did.
+    /// Where the engine may write guest offset `offset`'s cluster itself: the cluster it
+    /// has of its own, or, if it reads as zeroes and has none, a new one (a hole), given
+    /// now; the data is the caller's. A crash before that data lands leaves the cluster
+    /// reading as it did.
     fn place(&mut self, src: &FileIo<'_>, offset: u64) -> io::Result<Option<u64>> {
         match self.writer.as_ref() {
             None => return Err(io::Error::from_raw_os_error(libc::EBADF)),
@@ -276,6 +289,17 @@ impl Owner {
         let bits = self.cluster_bits();
         let gc = offset >> bits;
         let old = self.current(src, gc)?;
+        if let Mapping::Data { host, copied: true } = old {
+            // Its own cluster already: given in this batch (the writes queued behind a
+            // first write to a cluster come here, their table entry not yet saying so),
+            // or before it. The engine writes it, in parallel with the others, once the
+            // mapping is in the file.
+            let file_size = self.meta.file_size();
+            let w = self.writer.as_mut().ok_or_else(eio)?;
+            if w.in_place(src, host, bits, file_size)? {
+                return Ok(Some(host));
+            }
+        }
         let backed = self
             .writer
             .as_ref()
@@ -572,6 +596,11 @@ impl Owner {
         let w = self.writer.as_mut().ok_or_else(eio)?;
         w.pending_l2.insert(gc, new);
         w.dirty.insert(key);
+        if matches!(new, Mapping::Data { copied: true, .. }) {
+            w.unwritten.insert(gc);
+        } else {
+            w.unwritten.remove(&gc);
+        }
         w.free(old, bits);
         w.changed();
         let e = w.entry(gc, new, cluster, file_size);

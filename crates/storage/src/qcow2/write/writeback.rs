@@ -171,17 +171,34 @@ impl Owner {
             Some(_) => {}
             None => return Ok(()),
         }
+        self.hold.pause();
         if self.writer.as_ref().is_some_and(|w| w.sync_first) {
             self.sync(src)?;
         }
         let r = self.write_slices(src);
-        let Some(w) = self.writer.as_mut() else {
+        let Owner {
+            writer,
+            meta,
+            table,
+            ..
+        } = self;
+        let Some(w) = writer.as_mut() else {
             return r;
         };
         w.sync_first = false;
         w.dirty.clear();
+        let unwritten = std::mem::take(&mut w.unwritten);
         if let Err(e) = &r {
             self.fail_for_good(&format!("writing L2 entries failed ({e})"));
+            return r;
+        }
+        // In the file now: the workers may write these clusters in place (fresh: the
+        // mapping is not durable yet).
+        let (cluster, file_size) = (meta.header().cluster_size(), meta.file_size());
+        for gc in unwritten {
+            if let Some(m) = w.pending_mapping(gc) {
+                table.set(gc, w.entry(gc, m, cluster, file_size));
+            }
         }
         r
     }
