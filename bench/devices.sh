@@ -57,6 +57,9 @@
 #                                       to its cluster: allocation), O_DIRECT: vblk
 #                                       (--format qcow2) vs qemu-storage-daemon's qcow2
 #                                       driver in its main loop and in an IOThread
+#   qcow2-alloc-seq-4k, -seq-64k        the same with sequential writes: sixteen 4 KiB
+#                                       writes in flight at once share each new 64 KiB
+#                                       cluster; each 64 KiB write is a cluster's first
 # Needs qemu-storage-daemon (Debian: qemu-system-common) and taskset (util-linux).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,7 +71,7 @@ REPEAT=${1:-3}
 DISK_REPEAT=${DISK_REPEAT:-$REPEAT}
 unset ROUNDS # set per table below (bench's --repeat), never taken from the caller
 RUNTIME=${2:-5}
-TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline qcow2-qd1 qcow2-qd32 qcow2-write-qd1 qcow2-write-qd32 qcow2-chain3-qd1 qcow2-chain3-qd32 qcow2-alloc-4k qcow2-alloc-64k"}
+TABLES=${3:-"null-qd1 null-qd32 null-100k null-500k idle file-qd1 file-qd32 file-baseline qcow2-qd1 qcow2-qd32 qcow2-write-qd1 qcow2-write-qd32 qcow2-chain3-qd1 qcow2-chain3-qd32 qcow2-alloc-4k qcow2-alloc-64k qcow2-alloc-seq-4k qcow2-alloc-seq-64k"}
 cargo build --release -q -p vblk
 V=$PWD/target/release/vblk
 D=$(mktemp -d /var/tmp/vblk-devices.XXXXXX)
@@ -237,8 +240,10 @@ if want qcow2-chain3-qd1 || want qcow2-chain3-qd32; then
   rm -f "$D"/top.qcow2 "$D"/l1.qcow2 "$D"/l2.qcow2
 fi
 
-for bs in 4k 64k; do
-  want "qcow2-alloc-$bs" || continue
+for alloc in 4k:randwrite 64k:randwrite seq-4k:write seq-64k:write; do
+  bs=${alloc%%:*} rw=${alloc#*:} bs=${bs#seq-}
+  id=qcow2-alloc-${alloc%%:*}
+  want "$id" || continue
   for v in vblk-alloc qsd-alloc qsd-alloc-iothread; do
     rm -f "$D/$v.qcow2"
     qemu-img create -q -f qcow2 "$D/$v.qcow2" 64G
@@ -247,9 +252,11 @@ for bs in 4k 64k; do
   qsd_qcow2 qsd-alloc "$D/qsd-alloc.qcow2"
   qsd_qcow2 qsd-alloc-iothread "$D/qsd-alloc-iothread.qcow2" iothread
   ALLOC="socket=$(sock vblk-alloc),$(sock qsd-alloc),$(sock qsd-alloc-iothread)"
-  record "qcow2-alloc-$bs" "allocating random writes of $bs to an empty 64 GiB qcow2, QD32" \
-    taskset -c 0 "$V" --log-level warn bench --name "qcow2-alloc-$bs" --bs="$bs" \
-    --rw=randwrite --runtime="$RUNTIME" --time_based --ramp_time=1 --size=64g --iodepth=32 \
+  order=random
+  [ "$rw" = write ] && order=sequential
+  record "$id" "allocating $order writes of $bs to an empty 64 GiB qcow2, QD32" \
+    taskset -c 0 "$V" --log-level warn bench --name "$id" --bs="$bs" \
+    --rw="$rw" --runtime="$RUNTIME" --time_based --ramp_time=1 --size=64g --iodepth=32 \
     --repeat "$REPEAT" --compare "$ALLOC"
   stop_all
   rm -f "$D"/*-alloc*.qcow2
