@@ -94,6 +94,12 @@ struct Sub {
     at: u64,
     len: u64,
     iov: Vec<libc::iovec>,
+    /// A write the owner placed: it ends once both its data and its cluster's mapping
+    /// are written ([`Answer::Mapped`]: whether the mapping was), in either order.
+    placed: bool,
+    mapped: Option<bool>,
+    /// Its data write's result, while the mapping's is awaited.
+    data: Option<Result<u64, i32>>,
 }
 
 /// The engine. Field order matters: the wrapped engines are dropped (waiting for what
@@ -429,6 +435,9 @@ impl Qcow2Engine {
                     at: 0,
                     len: 0,
                     iov: Vec::new(),
+                    placed: false,
+                    mapped: None,
+                    data: None,
                 });
                 (self.subs.len() - 1) as u32
             }
@@ -440,6 +449,9 @@ impl Qcow2Engine {
         sub.at = at;
         sub.len = len;
         sub.iov.clear();
+        sub.placed = false;
+        sub.mapped = None;
+        sub.data = None;
         s
     }
 
@@ -542,11 +554,21 @@ impl Qcow2Engine {
         }
     }
 
-    fn sub_done(&mut self, s: u32, result: io::Result<u64>) {
-        let (p, len) = {
-            let sub = &self.subs[s as usize];
-            (sub.parent, sub.len)
-        };
+    fn sub_done(&mut self, s: u32, mut result: io::Result<u64>) {
+        let sub = &mut self.subs[s as usize];
+        if sub.placed {
+            match sub.mapped {
+                None => {
+                    // The data is written; the mapping not yet.
+                    sub.data = Some(result.map_err(|e| e.raw_os_error().unwrap_or(libc::EIO)));
+                    return;
+                }
+                Some(false) => result = Err(io::Error::from_raw_os_error(libc::EIO)),
+                Some(true) => {}
+            }
+            sub.placed = false;
+        }
+        let (p, len) = (sub.parent, sub.len);
         self.free_subs.push(s);
         let pr = &mut self.parents[p as usize];
         match result {
@@ -624,7 +646,10 @@ impl Qcow2Engine {
             self.signalled = false;
             self.mailbox.take(&mut self.answers);
             while let Some(a) = self.answers.pop_front() {
-                self.at_owner = self.at_owner.saturating_sub(1);
+                if !matches!(a, Answer::Place { .. }) {
+                    // A placed write's job is answered twice: the second ends it.
+                    self.at_owner = self.at_owner.saturating_sub(1);
+                }
                 match a {
                     Answer::Loaded { slice } => self.unpark(Some(slice)),
                     Answer::Failed { slice, errno } => {
@@ -645,12 +670,21 @@ impl Qcow2Engine {
                         }
                     }
                     Answer::Place { sub, host } => {
-                        // Allocated by the owner: the data goes to the file from here.
+                        // Placed by the owner: the data goes to the file from here, while
+                        // the owner writes the mapping.
                         let s = &mut self.subs[sub as usize];
                         s.target = Target::Image;
                         s.at = host;
+                        s.placed = true;
                         if !self.push_sub(sub) {
                             self.blocked.push_back(sub);
+                        }
+                    }
+                    Answer::Mapped { sub, ok } => {
+                        let s = &mut self.subs[sub as usize];
+                        s.mapped = Some(ok);
+                        if let Some(r) = s.data.take() {
+                            self.sub_done(sub, r.map_err(io::Error::from_raw_os_error));
                         }
                     }
                     Answer::Done { sub, result } => {
@@ -856,7 +890,12 @@ impl Drop for Qcow2Engine {
             // SAFETY: one live pollfd.
             unsafe { libc::poll(&mut pfd, 1, 1000) };
             self.mailbox.take(&mut self.answers);
-            self.at_owner = self.at_owner.saturating_sub(self.answers.len());
+            let ends = self
+                .answers
+                .iter()
+                .filter(|a| !matches!(a, Answer::Place { .. }))
+                .count();
+            self.at_owner = self.at_owner.saturating_sub(ends);
             self.answers.clear();
         }
     }

@@ -362,6 +362,7 @@ pub(crate) fn open(
         mappings: Vec::new(),
         counters: Arc::default(),
         outbox: Vec::with_capacity(64),
+        posted: Vec::new(),
         hold: Arc::default(),
         inactive,
         failures: (0, 0, None),

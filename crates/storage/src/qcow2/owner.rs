@@ -23,7 +23,7 @@ use super::image::Counters;
 use super::iov;
 use super::meta::{Meta, MetaError, Source};
 use super::table::{Entry, Table};
-use super::write::Writer;
+use super::write::{Until, Writer};
 
 /// What a worker asks of the owner.
 pub(crate) enum Job {
@@ -81,9 +81,13 @@ pub(crate) enum Answer {
     Failed { slice: u64, errno: i32 },
     /// A job finished: bytes, or an errno.
     Done { sub: u32, result: Result<u64, i32> },
-    /// A write job's cluster is allocated at `host` (its other bytes read as zeroes):
-    /// the engine writes the data there itself.
+    /// A write job's cluster is at `host`, its own (new, or given in an earlier batch;
+    /// a new one's other bytes read as zeroes): the engine writes the data there itself,
+    /// while the owner writes the mapping. The job ends with [`Answer::Mapped`].
     Place { sub: u32, host: u64 },
+    /// A placed write's mapping is in the file (`ok`), or could not be written: the
+    /// write fails with EIO.
+    Mapped { sub: u32, ok: bool },
 }
 
 /// One engine's inbox: the owner's answers and an eventfd it signals.
@@ -110,13 +114,12 @@ impl Mailbox {
         self.event.as_raw_fd()
     }
 
-    /// Post an answer and wake the engine.
-    pub(crate) fn post(&self, a: Answer) {
+    /// Post an answer without waking the engine (the poster signals once for several).
+    pub(crate) fn post_quietly(&self, a: Answer) {
         self.answers
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .push_back(a);
-        self.signal();
     }
 
     /// Make the eventfd readable.
@@ -158,8 +161,11 @@ pub(crate) struct Owner {
     pub(crate) mappings: Vec<Result<Mapping, MetaError>>,
     /// What the owner did, for `vblk stats`.
     pub(crate) counters: Arc<Counters>,
-    /// The batch's answers, posted once its mappings are in the file.
+    /// The batch's answers, posted once its mappings are in the file (placed writes:
+    /// before, and their `Mapped` after).
     pub(crate) outbox: Vec<(Arc<Mailbox>, Answer, bool)>,
+    /// The mailboxes an answer was posted to, each signalled once.
+    pub(crate) posted: Vec<Arc<Mailbox>>,
     /// Testing aid: where the owner stops before it writes changed mappings.
     pub(crate) hold: Arc<super::hold::Hold>,
     /// Another daemon may write the image (a migration's other end): no write, discard
@@ -180,25 +186,36 @@ const BATCH_JOBS: usize = 64;
 /// the owner makes them durable on its own (a guest FLUSH does it at once).
 const WRITEBACK_AFTER: Duration = Duration::from_secs(1);
 
+/// How often the owner looks for the end of a sync in flight when no job comes.
+const IO_POLL: Duration = Duration::from_millis(2);
+
 impl Owner {
     /// Serve jobs until every sender is gone.
     pub(crate) fn run(mut self, src: &FileIo<'_>, jobs: Receiver<Job>) {
         let mut corrupt_logged = false;
         loop {
-            let job = if self.writer.as_ref().is_some_and(|w| w.pending()) {
-                match jobs.recv_timeout(WRITEBACK_AFTER / 4) {
+            // With a sync in flight, the owner looks for its end every few milliseconds.
+            let timeout = match self.writer.as_ref() {
+                Some(w) if w.io_out() => Some(IO_POLL),
+                Some(w) if w.pending() => Some(WRITEBACK_AFTER / 4),
+                _ => None,
+            };
+            let job = match timeout {
+                Some(t) => match jobs.recv_timeout(t) {
                     Ok(j) => Some(j),
                     Err(RecvTimeoutError::Timeout) => None,
                     Err(RecvTimeoutError::Disconnected) => break,
-                }
-            } else {
-                match jobs.recv() {
+                },
+                None => match jobs.recv() {
                     Ok(j) => Some(j),
                     Err(_) => break,
-                }
+                },
             };
+            if let Err(e) = self.poll_io(src, Until::Now) {
+                log::error!("{}: syncing the image: {e}", self.name);
+            }
             if self.writer.as_ref().is_some_and(|w| w.due(WRITEBACK_AFTER)) {
-                if let Err(e) = self.writeback(src) {
+                if let Err(e) = self.writeback_soon(src) {
                     log::error!("{}: writing mappings back: {e}", self.name);
                 }
                 self.check_sync(src);
@@ -366,24 +383,48 @@ impl Owner {
         self.outbox.push((Arc::clone(reply), a, mapped));
     }
 
-    /// End of a batch: the changed mappings into the file, then every answer; if they
-    /// could not be written, the jobs that changed them fail.
+    /// End of a batch: the placed writes go out (their data is written while their
+    /// mappings are: each was a new cluster that read as zeroes, or one with its mapping
+    /// in the file already, so either may reach the disk first), the changed mappings go
+    /// into the file, then every other answer, and the placed writes learn that their
+    /// mappings are in. If the mappings could not be written, the jobs that changed them
+    /// fail.
     fn settle(&mut self, src: &FileIo<'_>) {
-        if self.flush_mappings(src).is_err() {
-            for (_, a, mapped) in &mut self.outbox {
-                match *a {
-                    Answer::Place { sub, .. } | Answer::Done { sub, result: Ok(_) } if *mapped => {
-                        *a = Answer::Done {
-                            sub,
-                            result: Err(libc::EIO),
-                        }
-                    }
-                    _ => {}
-                }
+        let mut outbox = std::mem::take(&mut self.outbox);
+        for (reply, a, _) in &outbox {
+            if let Answer::Place { .. } = a {
+                self.post_quietly(reply, *a);
             }
         }
-        for (reply, a, _) in self.outbox.drain(..) {
-            reply.post(a);
+        self.signal_posted();
+        let ok = self.flush_mappings(src).is_ok();
+        for (reply, a, mapped) in outbox.drain(..) {
+            let a = match a {
+                Answer::Place { sub, .. } => Answer::Mapped { sub, ok },
+                Answer::Done { sub, result: Ok(_) } if mapped && !ok => Answer::Done {
+                    sub,
+                    result: Err(libc::EIO),
+                },
+                a => a,
+            };
+            self.post_quietly(&reply, a);
+        }
+        self.outbox = outbox;
+        self.signal_posted();
+    }
+
+    /// Post `a` to `reply`, which is signalled at the next [`Owner::signal_posted`].
+    fn post_quietly(&mut self, reply: &Arc<Mailbox>, a: Answer) {
+        reply.post_quietly(a);
+        if !self.posted.iter().any(|m| Arc::ptr_eq(m, reply)) {
+            self.posted.push(Arc::clone(reply));
+        }
+    }
+
+    /// Wake each engine answers were posted to, once.
+    fn signal_posted(&mut self) {
+        for m in self.posted.drain(..) {
+            m.signal();
         }
     }
 

@@ -24,13 +24,16 @@
 //! A write acknowledged without a FLUSH may still be lost by a power failure, as any
 //! write on a disk with a volatile cache; a FLUSH makes it durable.
 
+mod batch;
 mod writeback;
+
+pub(crate) use batch::Until;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::entry::Mapping;
 use super::fileio::FileIo;
@@ -65,6 +68,18 @@ pub(crate) struct Writer {
     /// The size of the next batch, and when the last was taken.
     batch_bytes: u64,
     last_batch: Option<Instant>,
+    /// The next batch, counted ahead while `reserved` still lasts (batch.rs): its
+    /// refcounts are in the file, their `fdatasync` is in flight on `batch_io`; handed out
+    /// once it completed.
+    coming: Vec<u64>,
+    /// An io_uring engine on the image file for that `fdatasync` and the periodic
+    /// writeback's (writeback.rs). None if it could not be set up or failed once: both
+    /// are then done when needed, synchronously.
+    batch_io: Option<Box<dyn Engine>>,
+    /// The periodic writeback's `fdatasync` is in flight on `batch_io`, and what it makes
+    /// durable (None once a synchronous writeback covered it).
+    writeback_out: bool,
+    syncing: Option<writeback::Syncing>,
     /// L2 slices (their keys: the first guest cluster each maps) changed since they
     /// were last written: written at the end of the owner's batch of jobs, before the
     /// jobs are answered.
@@ -123,6 +138,10 @@ impl Writer {
             reserved: VecDeque::new(),
             batch_bytes: BATCH_BYTES,
             last_batch: None,
+            coming: Vec::new(),
+            batch_io: container.engine(crate::EngineKind::IoUring, 2).ok(),
+            writeback_out: false,
+            syncing: None,
             dirty: BTreeSet::new(),
             unwritten: BTreeSet::new(),
             sync_first: false,
@@ -154,6 +173,8 @@ impl Writer {
         self.pending_l2.clear();
         self.pending_free.clear();
         self.reserved.clear();
+        self.coming.clear();
+        self.syncing = None;
         self.batch_bytes = BATCH_BYTES;
         self.last_batch = None;
         self.dirty.clear();
@@ -485,80 +506,6 @@ impl Owner {
         self.remap(gc, Mapping::Data { host, copied: true }, old)?;
         self.counters.allocated.fetch_add(1, Ordering::Relaxed);
         Ok(host)
-    }
-
-    /// A cluster for data or an L2 table, counted (refcount 1) and durable: from the
-    /// batch, or from a new batch at the end of the file (the file grown over it: holes).
-    fn take_cluster(&mut self, src: &FileIo<'_>) -> io::Result<u64> {
-        match self.writer.as_mut().ok_or_else(eio)?.reserved.pop_front() {
-            Some(c) => Ok(c),
-            None => self.take_batch(src),
-        }
-    }
-
-    /// Count a new batch of clusters at the end of the file; the first of them.
-    fn take_batch(&mut self, src: &FileIo<'_>) -> io::Result<u64> {
-        let bits = self.cluster_bits();
-        let most = (self.meta.header().size / 16).clamp(BATCH_BYTES, MAX_BATCH_BYTES);
-        let w = self.writer.as_mut().ok_or_else(eio)?;
-        // Allocating fast: larger batches, fewer syncs. Idle a while: small again.
-        w.batch_bytes = match w.last_batch {
-            Some(t) if t.elapsed() < Duration::from_secs(1) => (w.batch_bytes * 2).min(most),
-            _ => BATCH_BYTES,
-        };
-        w.last_batch = Some(Instant::now());
-        let n = (w.batch_bytes >> bits).clamp(16, 65536);
-        let first = w.reserved.len();
-        let mut end = 0;
-        let mut stopped = None;
-        for _ in 0..n {
-            // A failure (no room in the file system for a new refcount block, no free
-            // cluster): what was counted so far is used first.
-            let counted = w
-                .refs
-                .reserve(src)
-                .and_then(|c| w.refs.set(src, c, 1).map(|()| c));
-            match counted {
-                Ok(c) => {
-                    w.reserved.push_back(c);
-                    end = end.max((c + 1) << bits);
-                }
-                Err(e) => {
-                    stopped = Some(e);
-                    break;
-                }
-            }
-        }
-        if w.reserved.len() == first {
-            return Err(stopped.unwrap_or_else(eio));
-        }
-        let made = w
-            .refs
-            .flush(src)
-            .and_then(|()| src.grow_to(end))
-            .map(|()| self.grew(end))
-            .and_then(|()| self.sync(src));
-        let w = self.writer.as_mut().ok_or_else(eio)?;
-        if let Err(e) = made {
-            // Not counted durably, nor is the file as long as they need: never used. Their
-            // counts are dropped again (a crash may leak them, never more).
-            for c in w.reserved.drain(first..) {
-                let _ = w.refs.set(src, c, 0);
-            }
-            return Err(e);
-        }
-        w.reserved.pop_front().ok_or_else(eio)
-    }
-
-    /// Give the batch's unused clusters back (refcount 0), at a clean close.
-    pub(crate) fn release_reserved(&mut self, src: &FileIo<'_>) -> io::Result<()> {
-        let Some(w) = self.writer.as_mut() else {
-            return Ok(());
-        };
-        while let Some(c) = w.reserved.pop_front() {
-            w.refs.set(src, c, 0)?;
-        }
-        w.refs.flush(src)
     }
 
     /// Give guest cluster `gc` an L2 table if it has none: a zeroed, counted cluster,

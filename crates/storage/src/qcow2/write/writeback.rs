@@ -132,6 +132,11 @@ impl Writer {
         !self.pending_l2.is_empty() || !self.pending_free.is_empty()
     }
 
+    /// Whether an `fdatasync` is in flight on `batch_io` (a batch's, a writeback's).
+    pub(crate) fn io_out(&self) -> bool {
+        !self.coming.is_empty() || self.writeback_out
+    }
+
     /// Whether the writeback is due: `after` since the first change, or too many.
     pub(crate) fn due(&self, after: Duration) -> bool {
         self.since.is_some_and(|s| s.elapsed() >= after) || self.pending_l2.len() >= MAX_PENDING
@@ -328,6 +333,11 @@ impl Owner {
         let Some(w) = writer.as_mut() else {
             return Ok(());
         };
+        // A periodic writeback's sync still in flight is covered by this one: what it
+        // was to free is freed now (its mappings are still pending, granted below).
+        if let Some(sy) = w.syncing.take() {
+            w.pending_free.extend(sy.free);
+        }
         // Durable now: owned clusters may be written in place by the workers.
         let file_size = meta.file_size();
         for (&gc, &m) in &w.pending_l2 {
@@ -348,4 +358,95 @@ impl Owner {
         self.counters.writebacks.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
+
+    /// The periodic writeback (a second after a change, or many changes): the changed
+    /// mappings are in the file already (each batch writes them); what makes them durable
+    /// is an `fdatasync`, which under writes takes tens to hundreds of milliseconds. It
+    /// goes out on `batch_io` and the owner goes on serving meanwhile; what it made
+    /// durable is taken up when it completes ([`Owner::writeback_synced`]). Without
+    /// `batch_io`, or if it refuses, synchronously ([`Owner::writeback`]).
+    pub(crate) fn writeback_soon(&mut self, src: &FileIo<'_>) -> io::Result<()> {
+        match self.writer.as_ref() {
+            Some(w) if w.failed => return Err(eio()),
+            Some(w) if w.writeback_out => return Ok(()),
+            Some(w) if w.batch_io.is_some() && w.pending() => {}
+            Some(w) if w.pending() => return self.writeback(src),
+            _ => return Ok(()),
+        }
+        self.flush_mappings(src)?;
+        let w = self.writer.as_mut().ok_or_else(eio)?;
+        w.refs.flush(src)?;
+        let started = match w.batch_io.as_mut() {
+            // SAFETY: a flush names no buffer.
+            Some(e) => unsafe { e.push(super::batch::WRITEBACK_TOKEN, Op::Flush) }
+                .map_err(|_| eio())
+                .and_then(|()| e.submit()),
+            None => Err(eio()),
+        };
+        if started.is_err() {
+            return self.writeback(src);
+        }
+        w.syncing = Some(Syncing {
+            mappings: w.pending_l2.iter().map(|(&gc, &m)| (gc, m)).collect(),
+            free: std::mem::take(&mut w.pending_free),
+        });
+        w.writeback_out = true;
+        w.since = None;
+        Ok(())
+    }
+
+    /// The periodic writeback's `fdatasync` completed with `result`: its mappings are
+    /// durable (those not changed since become owned: written in place by write-through
+    /// writes too) and the clusters they no longer use have their refcounts dropped.
+    pub(super) fn writeback_synced(
+        &mut self,
+        src: &FileIo<'_>,
+        result: io::Result<u64>,
+    ) -> io::Result<()> {
+        let bits = self.cluster_bits();
+        let Owner {
+            writer,
+            meta,
+            table,
+            counters,
+            ..
+        } = self;
+        let Some(w) = writer.as_mut() else {
+            return Ok(());
+        };
+        w.writeback_out = false;
+        // None: a synchronous writeback since covered it.
+        let Some(sy) = w.syncing.take() else {
+            return Ok(());
+        };
+        if let Err(e) = result {
+            self.fail_for_good(&format!("fdatasync failed ({e})"));
+            return Err(e);
+        }
+        let file_size = meta.file_size();
+        for (gc, m) in sy.mappings {
+            if w.pending_l2.get(&gc) != Some(&m) {
+                continue;
+            }
+            w.pending_l2.remove(&gc);
+            if let Mapping::Data { host, copied: true } = m {
+                if host + (1u64 << bits) <= file_size {
+                    table.set(gc, Entry::Owned(host));
+                }
+            }
+        }
+        for c in sy.free {
+            w.refs.unref(src, c)?;
+        }
+        w.refs.flush(src)?;
+        counters.writebacks.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// What a periodic writeback's `fdatasync` in flight makes durable: the mappings pending
+/// when it went out, and the clusters they no longer use.
+pub(super) struct Syncing {
+    mappings: Vec<(u64, Mapping)>,
+    free: Vec<u64>,
 }
