@@ -225,7 +225,7 @@ impl Image {
 
     /// Testing aid: the metadata owner stops at the end of its next batch of jobs that
     /// changed a mapping, before it writes the mappings to the file, until the returned
-    /// value is dropped ([`super::hold`]).
+    /// value is dropped.
     pub fn hold_mappings(&self) -> super::MappingsHeld {
         super::MappingsHeld::new(Arc::clone(&self.hold))
     }
