@@ -21,10 +21,13 @@
 //! Members of a group are served fairly while more than one waits (QEMU serves them
 //! round-robin): each member's `served` counts the group time its requests took; one that
 //! is more than [`QUANTUM`] ahead of another waiting member lets it go first. A member
-//! that starts waiting starts at most a quantum behind the least-served waiting member,
+//! that starts waiting starts at most two quanta behind the least-served waiting member,
 //! so an idle spell earns no more credit than that. (It started level: a disk at QD1,
 //! which stops waiting between each request and the next, lost what it was behind at
-//! every request, and a QD32 disk beside it took three slots in four.)
+//! every request, and a QD32 disk beside it took three slots in four. Then it started at
+//! most one quantum behind, exactly where it would begin to go first: each slot a QD1
+//! disk missed in a round trip longer than a slot was forgiven when it came back, and it
+//! got a third of the group when every round trip missed one, 47 % on a busy host.)
 
 pub mod limits;
 
@@ -292,8 +295,9 @@ impl Limiter {
     }
 
     /// A worker of `member` has requests waiting (or no longer: each worker of a disk
-    /// says so once each way). A member that starts waiting starts at most a quantum
-    /// behind the least-served member already waiting.
+    /// says so once each way). A member that starts waiting starts at most two quanta
+    /// behind the least-served member already waiting: one more than a member may be
+    /// behind before it goes first, so a slot missed between two requests is won back.
     pub fn set_waiting(&self, member: usize, waiting: bool) {
         let share = &self.shares[member];
         if !waiting {
@@ -315,7 +319,7 @@ impl Limiter {
         if let Some(least) = least {
             share
                 .served
-                .fetch_max(least.saturating_sub(self.quantum), Ordering::Relaxed);
+                .fetch_max(least.saturating_sub(2 * self.quantum), Ordering::Relaxed);
         }
     }
 }
