@@ -348,6 +348,17 @@ pub fn paired_ratio(runs: &[f64], base: &[f64]) -> Option<(f64, f64, f64)> {
     Some((mean.exp(), (mean - half).exp(), (mean + half).exp()))
 }
 
+/// A bound of a ratio's interval, to two decimals, or to two significant digits below
+/// 0.01: a lower bound, always positive, never reads 0.00 (two noisy rounds of 300 ms
+/// gave 1.11 (0.0047-383)).
+fn interval_bound(x: f64) -> String {
+    if x >= 0.01 || x <= 0.0 || !x.is_finite() {
+        return format!("{x:.2}");
+    }
+    let digits = ((-x.log10()).ceil() as usize + 1).min(12);
+    format!("{x:.digits$}")
+}
+
 /// Each run's IOPS, in the order the rounds ran.
 fn run_iops(r: &Row) -> Vec<f64> {
     r.runs.iter().map(|j| j.total().iops()).collect()
@@ -412,7 +423,9 @@ pub fn compare_text(rows: &[Row]) -> String {
         };
         let ratio = if base > 0.0 { m / base } else { 0.0 };
         let pr = match paired_ratio(&run_iops(r), &base_runs) {
-            Some((g, lo, hi)) if i > 0 => format!("{g:.2} ({lo:.2}-{hi:.2})"),
+            Some((g, lo, hi)) if i > 0 => {
+                format!("{g:.2} ({}-{})", interval_bound(lo), interval_bound(hi))
+            }
             _ => "-".into(),
         };
         let _ = writeln!(
@@ -568,6 +581,15 @@ mod tests {
         assert_eq!(bytes_text(3 << 30), "3.00GiB");
         assert_eq!(msec_text(Duration::from_micros(400)), "0.40msec");
         assert_eq!(msec_text(Duration::from_millis(1998)), "1998msec");
+    }
+
+    #[test]
+    fn an_interval_bound_below_a_hundredth_keeps_two_figures() {
+        assert_eq!(interval_bound(0.0047), "0.0047");
+        assert_eq!(interval_bound(0.00031), "0.00031");
+        assert_eq!(interval_bound(0.01), "0.01");
+        assert_eq!(interval_bound(383.391), "383.39");
+        assert_eq!(interval_bound(0.0), "0.00");
     }
 
     #[test]
