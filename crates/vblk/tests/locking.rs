@@ -307,6 +307,7 @@ fn switchover_with_a_write_held(source_leaves: bool) {
     let img = image(d);
     // The source holds every write 3 s before it reaches the file; a drain gives up after
     // 1 s. The destination starts inactive.
+    let ctl = d.join("src.ctl");
     let src = vblk(
         d,
         "src",
@@ -316,6 +317,8 @@ fn switchover_with_a_write_held(source_leaves: bool) {
             "1:3000:hold-writes",
             "--drain-timeout-secs",
             "1",
+            "--control-socket",
+            ctl.to_str().unwrap(),
         ],
     );
     let dst = vblk(d, "dst", &img, &["--incoming"]);
@@ -341,6 +344,17 @@ fn switchover_with_a_write_held(source_leaves: bool) {
     s.ring.write_req(&s.g, 8, b'X', None);
     rr::write_u64(s.kick.as_raw_fd(), 1).unwrap();
     let sent = Instant::now();
+    // The source has taken the write before the switchover (a stop that comes first
+    // leaves it in the ring, for the destination: in CI it did, and nothing was held).
+    let taken = || support::cli::stats(&ctl)["disks"][0]["queues"][0]["in_flight"].as_u64();
+    while taken() != Some(1) {
+        assert!(
+            sent.elapsed() < Duration::from_secs(2),
+            "the source did not take the write in 2 s: {}",
+            src.describe()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     // The switchover: the ring stops; the write is still held, so the stop is answered
     // after the drain timeout with the write fenced.
     s.stop();
