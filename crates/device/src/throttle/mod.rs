@@ -27,7 +27,7 @@
 //! every request, and a QD32 disk beside it took three slots in four. Then it started at
 //! most one quantum behind, exactly where it would begin to go first: each slot a QD1
 //! disk missed in a round trip longer than a slot was forgiven when it came back, and it
-//! got a third of the group when every round trip missed one, 47 % on a busy host.)
+//! got a third of the group when every round trip missed one.)
 
 pub mod limits;
 
