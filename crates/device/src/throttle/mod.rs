@@ -27,7 +27,11 @@
 //! every request, and a QD32 disk beside it took three slots in four. Then it started at
 //! most one quantum behind, exactly where it would begin to go first: each slot a QD1
 //! disk missed in a round trip longer than a slot was forgiven when it came back, and it
-//! got a third of the group when every round trip missed one.)
+//! got a third of the group when every round trip missed one.) A request that comes to a
+//! member with nothing waiting, while the member is behind another that waits, goes at
+//! once, as far as its own cost beyond the buckets' tolerance ([`Limiter::wait_arriving`]):
+//! a disk that waits on each completion would otherwise add a slot's wait to every round
+//! trip, which a disk with requests always waiting never pays.
 
 pub mod limits;
 
@@ -108,11 +112,13 @@ impl Rate {
         u64::try_from(t).unwrap_or(u64::MAX)
     }
 
-    /// Zero if a request may go at `now`, else when it may.
-    fn wait(&self, now: u64) -> u64 {
+    /// Zero if a request may go at `now` with `slack` ticks of tolerance beyond `tau`,
+    /// else when it may.
+    fn wait(&self, now: u64, slack: u64) -> u64 {
         let tat = self.tat.0.load(Ordering::Acquire);
-        if tat > now.saturating_add(self.tau) {
-            tat - self.tau
+        let tau = self.tau.saturating_add(slack);
+        if tat > now.saturating_add(tau) {
+            tat - tau
         } else {
             0
         }
@@ -248,12 +254,50 @@ impl Limiter {
     pub fn wait(&self, dir: Dir, now: u64) -> u64 {
         let mut until = 0;
         for b in self.buckets.iter().filter(|b| b.applies(dir)) {
-            until = until.max(b.main.wait(now));
+            until = until.max(b.main.wait(now, 0));
             if let Some(r) = &b.burst {
-                until = until.max(r.wait(now));
+                until = until.max(r.wait(now, 0));
             }
         }
         until
+    }
+
+    /// As [`Limiter::wait`], for a request of `bytes` that comes to `member` while it has
+    /// nothing waiting. If another waiting member has been served more, the request may
+    /// go as far as its own cost beyond each bucket's tolerance: it goes now instead of
+    /// at the group's next slot, and the slot it took is the next one's (the buckets
+    /// count it as any other, so the group's rate over time does not change). A member
+    /// that waits on each completion (a disk at QD1) spends a slot's wait on every
+    /// request otherwise, which a member with requests always waiting never does: its
+    /// round trip plus that wait, longer than two slots of a busy group, held it below
+    /// half however far behind it was.
+    pub fn wait_arriving(&self, dir: Dir, bytes: u64, now: u64, member: usize) -> u64 {
+        if !self.behind(member) {
+            return self.wait(dir, now);
+        }
+        let mut until = 0;
+        for b in self.buckets.iter().filter(|b| b.applies(dir)) {
+            let (num, den) = b.units(bytes, self.op_size);
+            until = until.max(b.main.wait(now, b.main.cost(num, den)));
+            if let Some(r) = &b.burst {
+                until = until.max(r.wait(now, r.cost(num, den)));
+            }
+        }
+        until
+    }
+
+    /// Whether another waiting member has been served more than `member`.
+    fn behind(&self, member: usize) -> bool {
+        let n = self.members.load(Ordering::Acquire);
+        if n <= 1 {
+            return false;
+        }
+        let mine = self.shares[member].served.load(Ordering::Relaxed);
+        self.shares[..n].iter().enumerate().any(|(k, s)| {
+            k != member
+                && s.waiting.load(Ordering::Relaxed) > 0
+                && s.served.load(Ordering::Relaxed) > mine
+        })
     }
 
     /// Whether `member` may take the group's next credit: no other waiting member is

@@ -185,9 +185,10 @@ impl Worker {
                         | RequestKind::Out
                         | RequestKind::Discard
                         | RequestKind::WriteZeroes { .. }
-                            if self.throttle.as_deref().is_some_and(|t| {
+                            if self.throttle.as_deref_mut().is_some_and(|t| {
                                 let dir = direction(&slot.req.kind);
-                                t.queued(dir) || t.admit(dir, slot.req.len, self.now_ticks) != 0
+                                t.queued(dir)
+                                    || t.admit_arriving(dir, slot.req.len, self.now_ticks) != 0
                             }) =>
                         {
                             // It waits for the disk's limits (throttled.rs); it holds its
