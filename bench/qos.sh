@@ -104,7 +104,10 @@ set_limit "throttle=none"
 # disk alone in the group rightly gets all of it): the shares come from the daemon's
 # counters over a RUNTIME-second window inside the time both jobs run.
 snap() { "$V" stats "$CTL" --json >"$OUT/$1.json"; }
-# group_pass NAME DEPTH_A: disk a at queue depth DEPTH_A, b at 32; prints "a b" (IOPS).
+# group_pass NAME DEPTH_A: disk a at queue depth DEPTH_A, b at 32; prints "a b fa fb":
+# their IOPS, and the group time each gave up in the window (ms: `vblk stats`' forfeited,
+# time a disk was behind beyond two quanta when it came back from having nothing
+# waiting, which its job's pauses cost it).
 group_pass() {
   local name=$1 depth_a=$2
   RUNTIME_JOBS=$((RUNTIME + 4))
@@ -124,16 +127,20 @@ secs = (e["uptime_ns"] - s["uptime_ns"]) / 1e9
 def done(doc, id):
     d = next(d for d in doc["disks"] if d["id"] == id)
     return sum(q["completed"] for q in d["queues"])
-print(*((done(e, id) - done(s, id)) / secs for id in ("a", "b")))
+def gave_up(doc, id):
+    return doc["throttle_groups"][0]["forfeited_ns"].get(id, 0)
+print(*((done(e, id) - done(s, id)) / secs for id in ("a", "b")),
+      *(f"{(gave_up(e, id) - gave_up(s, id)) / 1e6:.1f}" for id in ("a", "b")))
 EOF
 }
-read -r a b < <(group_pass group 32)
+read -r a b _ _ < <(group_pass group 32)
 row "group iops-total=20000, disk a" "randread 4k" 10000 "$a" IOPS
 row "group iops-total=20000, disk b" "randread 4k" 10000 "$b" IOPS
 row "group iops-total=20000, both" "randread 4k" 20000 "$(python3 -c "print($a + $b)")" IOPS
 # A disk at QD1 beside one at QD32: it stops waiting between its requests, and must
 # still get its half.
-read -r a b < <(group_pass group-qd1 1)
+read -r a b fa fb < <(group_pass group-qd1 1)
 row "group iops-total=20000, disk a at QD1" "randread 4k" 10000 "$a" IOPS
 row "group iops-total=20000, disk b at QD32" "randread 4k" 10000 "$b" IOPS
+echo "(in that window disk a gave up $fa ms of the group's time and disk b $fb ms: behind by more than 2 ms when it came back from having nothing waiting, its job having sent nothing meanwhile)"
 echo "(JSON in $OUT)"

@@ -251,6 +251,16 @@ impl Registry {
                     "members": g.members.iter().flatten().collect::<Vec<_>>(),
                     "delayed": g.stats.delayed.load(std::sync::atomic::Ordering::Relaxed),
                     "wait_ns": g.stats.wait_ns.load(std::sync::atomic::Ordering::Relaxed),
+                    "forfeited_ns": g
+                        .members
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, m)| {
+                            let ns = g.stats.forfeited_ns[i]
+                                .load(std::sync::atomic::Ordering::Relaxed);
+                            m.as_ref().map(|m| (m.clone(), json!(ns)))
+                        })
+                        .collect::<serde_json::Map<String, Value>>(),
                 })
             })
             .collect();
@@ -490,6 +500,8 @@ fn join_group(
         }
     };
     g.members[member] = Some(disk.id.clone());
+    // What an earlier holder of the index gave up is not the new member's.
+    g.stats.forfeited_ns[member].store(0, std::sync::atomic::Ordering::Relaxed);
     if let Some(l) = &g.limiter {
         l.set_members(g.members.len());
     }

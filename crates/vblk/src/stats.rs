@@ -14,8 +14,9 @@ use serde_json::{json, Value};
 /// MiB by type, average completion latency, requests in flight, malformed (rejected) and
 /// failed requests — then completion-latency percentiles (fio's clat, in µs), the disk's
 /// QoS (its limits, its throttle group, how many requests waited for them and how long),
-/// each throttle group's limits, disks and waits, and each worker thread's polling hits
-/// and misses.
+/// each throttle group's limits, disks and waits (and the share of the group a disk gave
+/// up: group time it was behind beyond 2 ms when it came back from having nothing
+/// waiting), and each worker thread's polling hits and misses.
 ///
 /// With `--interval SECS`: one line per active queue of each disk every SECS seconds, with the rates
 /// of that interval in `iostat -x`'s names and units: r/s, rkB/s, r_await (ms), w/s,
@@ -179,8 +180,19 @@ fn print_groups(v: &Value) {
             .as_array()
             .map(|m| m.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
+        // Members that gave up group time by coming back too far behind (idle, or
+        // slower than their share): "; given up while idle: a 12.5 ms".
+        let forfeited: Vec<String> = g["forfeited_ns"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, ns)| u(ns) > 0)
+                    .map(|(id, ns)| format!("{id} {:.1} ms", u(ns) as f64 / 1e6))
+                    .collect()
+            })
+            .unwrap_or_default();
         outln!(
-            "throttle group {}: limits {}, disks {}; of their requests {}",
+            "throttle group {}: limits {}, disks {}; of their requests {}{}",
             g["name"].as_str().unwrap_or("?"),
             limits_text(&g["limits"]),
             if members.is_empty() {
@@ -188,7 +200,15 @@ fn print_groups(v: &Value) {
             } else {
                 members.join(" ")
             },
-            waited_text(&g)
+            waited_text(&g),
+            if forfeited.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; share given up while idle beyond 2 ms behind: {}",
+                    forfeited.join(", ")
+                )
+            }
         );
     }
 }

@@ -236,6 +236,32 @@ fn a_group_is_shared_fairly_and_changes_live() {
         let args = saturate("randread", "4k");
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         rate_within_2pct("one disk alone in the group", 3000.0, || bench(&a, &args).0);
+        // Then b alone: it comes back with nobody waiting, and starts two quanta behind a,
+        // not the seconds a ran alone behind (a would have waited those out next); what
+        // it gave up is counted, and said.
+        let given_up = |st: &Value| u64_of(&st["throttle_groups"][0]["forfeited_ns"]["b"]);
+        let before = given_up(&stats(&ctl));
+        bench(
+            &b,
+            &[
+                "--rw=randread",
+                "--bs=4k",
+                "--iodepth=1",
+                "--size=64m",
+                "--runtime=1",
+            ],
+        );
+        let st = stats(&ctl);
+        assert!(
+            given_up(&st) > before + 1_000_000_000,
+            "b gave up the seconds a ran alone: {}",
+            st["throttle_groups"][0]
+        );
+        let text = ok(&["stats", s(&ctl)]);
+        assert!(
+            text.contains("; share given up while idle beyond 2 ms behind: "),
+            "{text}"
+        );
         ok(&["disk", "group", s(&ctl), "g", "iops-total=1000"]);
         rate_within_2pct("the group's total after a change", 1000.0, || {
             let (x, y) = pair();

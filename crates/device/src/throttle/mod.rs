@@ -21,8 +21,9 @@
 //! Members of a group are served fairly while more than one waits (QEMU serves them
 //! round-robin): each member's `served` counts the group time its requests took; one that
 //! is more than [`QUANTUM`] ahead of another waiting member lets it go first. A member
-//! that starts waiting starts at most two quanta behind the least-served waiting member,
-//! so an idle spell earns no more credit than that. (It started level: a disk at QD1,
+//! that starts waiting starts at most two quanta behind the least-served waiting member
+//! (or, when none waits, the most-served member), so an idle spell earns no more credit
+//! than that. (It started level: a disk at QD1,
 //! which stops waiting between each request and the next, lost what it was behind at
 //! every request, and a QD32 disk beside it took three slots in four. Then it started at
 //! most one quantum behind, exactly where it would begin to go first: each slot a QD1
@@ -175,12 +176,26 @@ struct Share {
 }
 
 /// Counters of a limiter (a disk's or a group's).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LimiterStats {
     /// Requests that waited.
     pub delayed: AtomicU64,
     /// Their waits, ns, summed.
     pub wait_ns: AtomicU64,
+    /// A group's, by member: the group time, ns, each member was behind beyond the two
+    /// quanta it may be when it started waiting, which it gave up (it had nothing
+    /// waiting meanwhile: an idle disk, or a guest slower than its share).
+    pub forfeited_ns: [AtomicU64; MAX_MEMBERS],
+}
+
+impl Default for LimiterStats {
+    fn default() -> LimiterStats {
+        LimiterStats {
+            delayed: AtomicU64::new(0),
+            wait_ns: AtomicU64::new(0),
+            forfeited_ns: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
 }
 
 /// The limits of a disk or a group, in force from when it was made (a change makes a new
@@ -340,8 +355,10 @@ impl Limiter {
 
     /// A worker of `member` has requests waiting (or no longer: each worker of a disk
     /// says so once each way). A member that starts waiting starts at most two quanta
-    /// behind the least-served member already waiting: one more than a member may be
-    /// behind before it goes first, so a slot missed between two requests is won back.
+    /// behind the least-served member already waiting (none waiting: the most-served
+    /// member): one more than a member may be behind before it goes first, so a slot
+    /// missed between two requests is won back. What it was behind beyond that it gives
+    /// up, and [`LimiterStats::forfeited_ns`] counts it.
     pub fn set_waiting(&self, member: usize, waiting: bool) {
         let share = &self.shares[member];
         if !waiting {
@@ -354,16 +371,27 @@ impl Limiter {
             return;
         }
         let n = self.members.load(Ordering::Acquire);
-        let least = self.shares[..n]
+        let others = self.shares[..n]
             .iter()
             .enumerate()
-            .filter(|(k, s)| *k != member && s.waiting.load(Ordering::Relaxed) > 0)
-            .map(|(_, s)| s.served.load(Ordering::Relaxed))
+            .filter(|(k, _)| *k != member)
+            .map(|(_, s)| s);
+        let least_waiting = others
+            .clone()
+            .filter(|s| s.waiting.load(Ordering::Relaxed) > 0)
+            .map(|s| s.served.load(Ordering::Relaxed))
             .min();
+        // With nobody waiting, the group's most-served member: what a member served
+        // alone meanwhile is not owed back to one that was idle.
+        let least =
+            least_waiting.or_else(|| others.map(|s| s.served.load(Ordering::Relaxed)).max());
         if let Some(least) = least {
-            share
-                .served
-                .fetch_max(least.saturating_sub(2 * self.quantum), Ordering::Relaxed);
+            let floor = least.saturating_sub(2 * self.quantum);
+            let before = share.served.fetch_max(floor, Ordering::Relaxed);
+            if before < floor {
+                self.stats.forfeited_ns[member]
+                    .fetch_add(ticks_to_ns(floor - before), Ordering::Relaxed);
+            }
         }
     }
 }

@@ -356,3 +356,42 @@ fn a_member_at_qd1_a_slot_late_each_time_still_gets_half() {
     let share = f64::from(got[1]) / 10_000.0;
     assert!((0.475..=0.525).contains(&share), "QD1 member got {got:?}");
 }
+
+/// A member that ran alone for a second, stopped, and started again after another member
+/// came back is not held back for that second: the member that came back when nobody
+/// waited starts at most two quanta behind the group's most-served member, as one that
+/// comes back beside a waiting member does. It started where it had left off, a second
+/// behind, and went first until it had caught up: the member that ran alone waited for
+/// a second of the group's time, not a quantum. What it gave up is counted.
+#[test]
+fn a_member_back_when_nobody_waits_earns_no_more_than_two_quanta() {
+    let stats = Arc::new(LimiterStats::default());
+    let l = Limiter::new(
+        &Limits::parse("iops-total=1000").unwrap(),
+        Instant::now(),
+        stats.clone(),
+    );
+    l.set_members(2);
+    let now = ticks(Instant::now());
+    l.set_waiting(0, true);
+    for _ in 0..1000 {
+        l.charge(Dir::Read, 4096, now, 0);
+    }
+    l.set_waiting(0, false);
+    l.set_waiting(1, true);
+    l.set_waiting(0, true);
+    // Member 1, two quanta behind, goes first for a quantum: one request here.
+    assert!(!l.may_go(0));
+    l.charge(Dir::Read, 4096, now, 1);
+    assert!(
+        l.may_go(0),
+        "member 0 waits for the second it served while member 1 was idle"
+    );
+    // 998 ms given up: a second behind, less the two quanta it may be.
+    assert_eq!(
+        stats.forfeited_ns[1].load(Ordering::Relaxed),
+        998_000_000,
+        "what member 1 gave up"
+    );
+    assert_eq!(stats.forfeited_ns[0].load(Ordering::Relaxed), 0);
+}
