@@ -86,14 +86,16 @@ impl Throttled {
     }
 
     /// [`Throttled::admit`] for a request just taken from its ring, that waits behind
-    /// none of its direction. If this worker had nothing waiting, its disk counts as
-    /// waiting from now (a member coming back is at most two quanta behind: the group's
-    /// `set_waiting`), and a group it is behind in lets the request go at once
-    /// ([`Limiter::wait_arriving`]). If it goes and nothing else waits, it stops waiting
-    /// again.
+    /// none of its direction. If the limiters hold it and this worker had nothing
+    /// waiting, its disk counts as waiting from now (a member coming back is at most two
+    /// quanta behind: the group's `set_waiting`), and a group it is behind in lets the
+    /// request go at once ([`Limiter::wait_arriving`]); if it goes and nothing else
+    /// waits, it stops waiting again. A request the limiters let go costs what it did
+    /// (the group's members are looked at only for one that would wait).
     pub fn admit_arriving(&mut self, dir: Dir, bytes: u64, now: u64) -> u64 {
-        if self.waiting {
-            return self.admit(dir, bytes, now);
+        let until = self.admit(dir, bytes, now);
+        if until == 0 || self.waiting {
+            return until;
         }
         self.set_waiting(true);
         let until = self.admit_as(dir, bytes, now, true);
