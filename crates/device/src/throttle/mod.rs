@@ -267,11 +267,19 @@ impl Limiter {
     /// Changes nothing. (As in QEMU, a bucket is checked before the request is counted:
     /// its size does not matter here.)
     pub fn wait(&self, dir: Dir, now: u64) -> u64 {
+        self.wait_beyond(dir, now, None)
+    }
+
+    /// [`Limiter::wait`] with each bucket's tolerance stretched by the cost of a request
+    /// of `beyond` bytes (none: not stretched).
+    fn wait_beyond(&self, dir: Dir, now: u64, beyond: Option<u64>) -> u64 {
         let mut until = 0;
         for b in self.buckets.iter().filter(|b| b.applies(dir)) {
-            until = until.max(b.main.wait(now, 0));
+            let units = beyond.map(|bytes| b.units(bytes, self.op_size));
+            let slack = |r: &Rate| units.map_or(0, |(num, den)| r.cost(num, den));
+            until = until.max(b.main.wait(now, slack(&b.main)));
             if let Some(r) = &b.burst {
-                until = until.max(r.wait(now, 0));
+                until = until.max(r.wait(now, slack(r)));
             }
         }
         until
@@ -287,18 +295,7 @@ impl Limiter {
     /// round trip plus that wait, longer than two slots of a busy group, held it below
     /// half however far behind it was.
     pub fn wait_arriving(&self, dir: Dir, bytes: u64, now: u64, member: usize) -> u64 {
-        if !self.behind(member) {
-            return self.wait(dir, now);
-        }
-        let mut until = 0;
-        for b in self.buckets.iter().filter(|b| b.applies(dir)) {
-            let (num, den) = b.units(bytes, self.op_size);
-            until = until.max(b.main.wait(now, b.main.cost(num, den)));
-            if let Some(r) = &b.burst {
-                until = until.max(r.wait(now, r.cost(num, den)));
-            }
-        }
-        until
+        self.wait_beyond(dir, now, self.behind(member).then_some(bytes))
     }
 
     /// Whether another waiting member has been served more than `member`.
