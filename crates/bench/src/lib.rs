@@ -6,6 +6,7 @@
 //! - [`workload`]: the I/O units a job issues (sequential, random with a full-period map,
 //!   bssplit, rwmix).
 //! - [`stats`]: latency histograms and CPU accounting.
+//! - [`clock`]: the job loop's clock (the time-stamp counter where the kernel trusts it).
 //! - [`target`]: an embedded device, a socket, or the baseline (no virtio).
 //! - [`lane`]: one job thread's I/O channel: the driver's queue, or a storage engine.
 //! - [`pace`]: fio's `rate_iops=` and `rate=` (equal offered load for comparisons).
@@ -15,6 +16,7 @@
 //! - [`plan`]: jobs × variants × repeats, and the default run.
 #![deny(missing_docs)]
 
+pub mod clock;
 pub mod job;
 pub mod lane;
 pub mod pace;

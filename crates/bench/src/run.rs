@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use driver::{PathKind, RequestOptions};
 
+use crate::clock::Clock;
 use crate::job::{JobSpec, Size};
 use crate::lane::{Done, Lane};
 use crate::pace::Pacer;
@@ -296,6 +297,8 @@ pub fn run_job(
     }
     let regions = regions(spec, geo, &mut notes)?;
     let barrier = Arc::new(Barrier::new(clones + 1));
+    // Calibrated before the window is set (once per process; it takes 10 ms).
+    Clock::get();
     let start = Instant::now() + Duration::from_millis(20);
     let window = Arc::new(Window {
         start,
@@ -394,7 +397,7 @@ struct Slot {
     dir: IoDir,
     offset: u64,
     len: u64,
-    /// Before and after its submission, [`mono_ns`].
+    /// Before and after its submission, on the [`Clock`].
     t0: u64,
     t1: u64,
 }
@@ -415,30 +418,6 @@ fn fill_random(buf: &mut [u8], seed: u64) {
         x ^= x >> 27;
         let v = x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
         chunk.copy_from_slice(&v[..chunk.len()]);
-    }
-}
-
-/// Nanoseconds on `CLOCK_MONOTONIC`, the clock [`Instant`] reads on Linux, as one integer.
-/// The loop takes two timestamps per I/O and one per batch of completions, and subtracts
-/// them: on `Instant` each subtraction normalises two (seconds, nanoseconds) pairs and
-/// checks for overflow (with the reads, about 90 instructions per I/O).
-fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec.max(0) as u64) * 1_000_000_000 + ts.tv_nsec.max(0) as u64
-}
-
-/// `t` on the [`mono_ns`] scale.
-fn instant_ns(t: Instant) -> u64 {
-    let (now, ns) = (Instant::now(), mono_ns());
-    if t >= now {
-        ns.saturating_add((t - now).as_nanos() as u64)
-    } else {
-        ns.saturating_sub((now - t).as_nanos() as u64)
     }
 }
 
@@ -480,9 +459,11 @@ fn run_clone(
     let mut stopping = false;
     let mut measuring = false;
     let mut cpu0 = Cpu::this_thread();
-    let ramp_end = instant_ns(w.ramp_end);
+    let clock = Clock::get();
+    let ramp_end = clock.at(w.ramp_end);
+    let deadline = w.deadline.map(|d| clock.at(d));
     let mut first_measured: Option<u64> = None;
-    let mut last_done = mono_ns();
+    let mut last_done = clock.now_ns();
     let mut pacer = Pacer::of(spec, w.start);
     // The next I/O, drawn but held back by the rate.
     let mut pending = None;
@@ -498,13 +479,13 @@ fn run_clone(
     }
     std::thread::sleep(w.start.saturating_duration_since(Instant::now()));
     loop {
-        let now = Instant::now();
-        if !measuring && now >= w.ramp_end {
+        let now = clock.now_ns();
+        if !measuring && now >= ramp_end {
             measuring = true;
             cpu0 = Cpu::this_thread();
-            first_measured = Some(mono_ns());
+            first_measured = Some(now);
         }
-        if w.deadline.is_some_and(|d| now >= d) || progress.stop.load(Ordering::Relaxed) {
+        if deadline.is_some_and(|d| now >= d) || progress.stop.load(Ordering::Relaxed) {
             stopping = true;
         }
         // Submit until the depth is full (or the rate says wait).
@@ -533,9 +514,9 @@ fn run_clone(
                 generation += 1;
                 verify::fill(lane.buf(slot, u.len as usize), u.offset, generation);
             }
-            let t0 = mono_ns();
+            let t0 = clock.now_ns();
             lane.submit(slot, u.dir, u.offset, u.len)?;
-            let t1 = mono_ns();
+            let t1 = clock.now_ns();
             slots[slot] = Slot {
                 dir: u.dir,
                 offset: u.offset,
@@ -568,7 +549,7 @@ fn run_clone(
         }
         done.clear();
         lane.wait(batch_complete.min(in_flight), &mut done)?;
-        let tc = mono_ns();
+        let tc = clock.now_ns();
         let mut bytes = 0;
         for &(slot, ref result) in &done {
             in_flight -= 1;
