@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use driver::{PathKind, RequestOptions};
 
-use crate::clock::Clock;
+use crate::clock::{Clock, Mark};
 use crate::job::{JobSpec, Size};
 use crate::lane::{Done, Lane};
 use crate::pace::Pacer;
@@ -460,8 +460,8 @@ fn run_clone(
     let mut measuring = false;
     let mut cpu0 = Cpu::this_thread();
     let clock = Clock::get();
-    let ramp_end = clock.at(w.ramp_end);
-    let deadline = w.deadline.map(|d| clock.at(d));
+    let mut ramp_mark = Mark::new(clock, w.ramp_end);
+    let mut deadline = w.deadline.map(|d| Mark::new(clock, d));
     let mut first_measured: Option<u64> = None;
     let mut last_done = clock.now_ns();
     let mut pacer = Pacer::of(spec, w.start);
@@ -480,12 +480,15 @@ fn run_clone(
     std::thread::sleep(w.start.saturating_duration_since(Instant::now()));
     loop {
         let now = clock.now_ns();
+        let ramp_end = ramp_mark.ns(clock, now);
         if !measuring && now >= ramp_end {
             measuring = true;
             cpu0 = Cpu::this_thread();
             first_measured = Some(now);
         }
-        if deadline.is_some_and(|d| now >= d) || progress.stop.load(Ordering::Relaxed) {
+        if deadline.as_mut().is_some_and(|d| now >= d.ns(clock, now))
+            || progress.stop.load(Ordering::Relaxed)
+        {
             stopping = true;
         }
         // Submit until the depth is full (or the rate says wait).
