@@ -72,20 +72,9 @@ impl Clock {
         }
     }
 
-    /// `t` on this clock's scale: from an `Instant` read between two reads of this clock,
-    /// the closest of a few tries (a preemption between the reads would move it).
+    /// `t` on this clock's scale: from an `Instant` read between two reads of this clock.
     pub fn at(&self, t: Instant) -> u64 {
-        let mut best = (u64::MAX, Instant::now(), 0);
-        for _ in 0..4 {
-            let a = self.now_ns();
-            let now = Instant::now();
-            let b = self.now_ns();
-            let spread = b.saturating_sub(a);
-            if spread < best.0 {
-                best = (spread, now, a + spread / 2);
-            }
-        }
-        let (_, now, ns) = best;
+        let (now, ns) = bracketed(4, || self.now_ns(), Instant::now);
         if t >= now {
             ns.saturating_add((t - now).as_nanos() as u64)
         } else {
@@ -151,7 +140,7 @@ impl TscScale {
 }
 
 /// Nanoseconds on `CLOCK_MONOTONIC`, the clock [`Instant`] reads on Linux, as one integer.
-pub fn mono_ns() -> u64 {
+fn mono_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -199,26 +188,28 @@ fn invariant_tsc() -> bool {
     has("constant_tsc") && has("nonstop_tsc")
 }
 
-/// A (counter, monotonic ns) pair read as close together as a few tries allow.
-fn pair() -> (u64, u64) {
-    let mut best = (u64::MAX, 0, 0);
-    for _ in 0..8 {
-        let a = mono_ns();
-        let t = ticks();
-        let b = mono_ns();
-        let spread = b.saturating_sub(a);
-        if spread < best.0 {
-            best = (spread, t, a + spread / 2);
+/// `inner` read between two reads of `outer` (nanoseconds), the tightest bracket of
+/// `tries` (a preemption between the reads would widen it): what `inner` read, and the
+/// bracket's midpoint.
+fn bracketed<T>(tries: u32, outer: impl Fn() -> u64, inner: impl Fn() -> T) -> (T, u64) {
+    let mut best: Option<(u64, T, u64)> = None;
+    for _ in 0..tries.max(1) {
+        let a = outer();
+        let v = inner();
+        let spread = outer().saturating_sub(a);
+        if best.as_ref().is_none_or(|b| spread < b.0) {
+            best = Some((spread, v, a + spread / 2));
         }
     }
-    (best.1, best.2)
+    let (_, v, mid) = best.expect("at least one try");
+    (v, mid)
 }
 
 /// The counter's rate against `CLOCK_MONOTONIC`; none if the counter did not advance with it.
 fn calibrate() -> Option<TscScale> {
-    let (t0, n0) = pair();
+    let (t0, n0) = bracketed(8, mono_ns, ticks);
     std::thread::sleep(CALIBRATION);
-    let (t1, n1) = pair();
+    let (t1, n1) = bracketed(8, mono_ns, ticks);
     let (dt, dn) = (t1.checked_sub(t0)?, n1.checked_sub(n0)?);
     if dt == 0 || dn < CALIBRATION.as_nanos() as u64 {
         return None;
