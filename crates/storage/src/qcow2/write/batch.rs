@@ -9,7 +9,8 @@
 //!
 //! What is counted and not handed out is what a crash leaks: the current batch's rest and
 //! the next batch together never exceed the cap on one batch (256 MiB, or a sixteenth of
-//! a smaller disk, 8 MiB at least).
+//! a smaller disk, 8 MiB at least). So does what was handed to the allocating writes in
+//! flight and not mapped yet (a data cluster and perhaps a new L2 table each).
 
 use std::io;
 use std::time::{Duration, Instant};
