@@ -389,7 +389,9 @@ mod tests {
         );
         let mut e = delayed(
             b.engine(EngineKind::IoUring, 8).unwrap(),
-            "2:150:hold-writes".parse().unwrap(),
+            // Held long enough that the first write is surely reaped before the held one's time
+            // is up, however slow the machine's disk or scheduler.
+            "2:2000:hold-writes".parse().unwrap(),
         )
         .unwrap();
         let mut first = vec![1u8; 512];
@@ -426,7 +428,7 @@ mod tests {
             e.reap(&mut |c| got.push(c.token));
         }
         assert_eq!(got, vec![1, 3, 2], "the held write completes last");
-        assert!(t0.elapsed() >= Duration::from_millis(150));
+        assert!(t0.elapsed() >= Duration::from_millis(2000));
         assert_eq!(
             std::fs::read(&path).unwrap()[..512],
             [2u8; 512],

@@ -187,8 +187,10 @@ fn a_worker_that_sleeps_measures_the_cost_and_narrows_its_window() {
                 // Windows that keep running out do not pay: then one idle period in
                 // poll::PROBE_EVERY (8) still spins, the others sleep at once.
                 assert!(n("poll_misses") >= 4, "{w}");
+                // Under the ceiling, or at it only where a sleep cost that much (a
+                // loaded machine): the window is bounded by the measured cost.
                 assert!(
-                    n("poll_window_ns") < ceiling_ns,
+                    n("poll_window_ns") < ceiling_ns || n("poll_window_ns") <= n("sleep_cost_ns"),
                     "windows that run out, bounded by a sleep's cost, are under the ceiling: {w}"
                 );
             }

@@ -7,7 +7,7 @@ mod support;
 
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -280,7 +280,7 @@ fn disks_come_and_go_while_the_daemon_runs() {
     });
 }
 
-/// Three disks on one worker thread: one whose NBD server takes 3 s for a read, one whose
+/// Three disks on one worker thread: one whose NBD server takes 10 s for a read, one whose
 /// frontend sent half a message and went quiet, and one served normally. The third does a
 /// thousand verified writes and reads while the slow read is still at its server, and the
 /// quiet frontend's disk serves the next frontend once it is gone.
@@ -289,7 +289,10 @@ fn a_slow_server_or_a_stuck_frontend_stalls_no_other_disk() {
     let _one_at_a_time = serial();
     within(LIMIT, "the test", || {
         let dir = temp_dir("disks-apart");
-        let nbd = Nbdkit::start(dir.path(), &["--filter=delay", "memory", "64M", "rdelay=3"]);
+        let nbd = Nbdkit::start(
+            dir.path(),
+            &["--filter=delay", "memory", "64M", "rdelay=10"],
+        );
         let ctl = dir.path().join("ctl.sock");
         let (slow, fast, stuck) = (
             dir.path().join("slow.sock"),
@@ -318,7 +321,8 @@ fn a_slow_server_or_a_stuck_frontend_stalls_no_other_disk() {
         // Half a vhost-user header, then nothing.
         let mut quiet = std::os::unix::net::UnixStream::connect(&stuck).unwrap();
         std::io::Write::write_all(&mut quiet, &[1, 0, 0, 0]).unwrap();
-        // A read the NBD server holds for 3 s.
+        // A read the NBD server holds for 10 s: the thousand round trips below take two
+        // wake-ups each, a few ms apiece on a loaded machine.
         let slow_done = Arc::new(AtomicBool::new(false));
         let reader = {
             let (slow, done) = (slow.clone(), slow_done.clone());
@@ -383,7 +387,7 @@ fn a_forced_removal_under_load_loses_no_acknowledged_write() {
         let sock = dir.path().join("w.sock");
         let ctl = dir.path().join("ctl.sock");
         let img = dir.path().join("w.img");
-        fs::File::create(&img).unwrap().set_len(64 * MIB).unwrap();
+        fs::File::create(&img).unwrap().set_len(128 * MIB).unwrap();
         let _d = Daemon::start_vblk(
             "vblk",
             &[
@@ -410,30 +414,41 @@ fn a_forced_removal_under_load_loses_no_acknowledged_write() {
             .unwrap(),
         );
         let stop = Arc::new(AtomicBool::new(false));
+        let written = Arc::new(AtomicUsize::new(0));
         let writers: Vec<_> = (0..4u64)
             .map(|t| {
-                let (disk, stop) = (disk.clone(), stop.clone());
+                let (disk, stop, written) = (disk.clone(), stop.clone(), written.clone());
                 std::thread::spawn(move || {
                     let mut q = disk.take_queue(t as u16).unwrap();
                     let mut acked = Vec::new();
-                    // Each queue writes its own 16 MiB, block by block, each block
+                    // Each queue writes its own 32 MiB, block by block, each block
                     // stamped with its number.
-                    for i in 0..4096u64 {
+                    for i in 0..8192u64 {
                         if stop.load(Ordering::Relaxed) && i % 64 == 0 {
                             std::thread::yield_now();
                         }
-                        let block = t * 4096 + i;
+                        let block = t * 8192 + i;
                         let data = [(block % 251) as u8 + 1; 4096];
                         if q.write_at(block * 4096, &data).is_err() {
                             break;
                         }
                         acked.push(block);
+                        written.fetch_add(1, Ordering::Relaxed);
                     }
                     acked
                 })
             })
             .collect();
-        std::thread::sleep(Duration::from_millis(500));
+        // Removed a sixteenth of the way through, whatever the machine's speed.
+        let t0 = Instant::now();
+        while written.load(Ordering::Relaxed) < 2048 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the writers did not get going: {} writes in 60 s",
+                written.load(Ordering::Relaxed)
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
         ok(&["disk", "remove", s(&ctl), "w", "--force"]);
         stop.store(true, Ordering::Relaxed);
         let acked: Vec<u64> = writers
@@ -443,6 +458,12 @@ fn a_forced_removal_under_load_loses_no_acknowledged_write() {
         assert!(
             !acked.is_empty(),
             "no write was acknowledged before the removal"
+        );
+        assert!(
+            acked.len() < 4 * 8192,
+            "all {} writes were acknowledged before the removal: it did not remove under \
+             load, and this test shows nothing",
+            acked.len()
         );
         let on_disk = fs::read(&img).unwrap();
         for block in &acked {

@@ -305,8 +305,9 @@ fn switchover_with_a_write_held(source_leaves: bool) {
     let dir = temp_dir("locking");
     let d = dir.path();
     let img = image(d);
-    // The source holds every write 3 s before it reaches the file; a drain gives up after
-    // 1 s. The destination starts inactive.
+    // The source holds every write 6 s before it reaches the file; a drain gives up after
+    // 1 s, so the stop below (within 2 s of the write) always finds it still held. The
+    // destination starts inactive.
     let ctl = d.join("src.ctl");
     let src = vblk(
         d,
@@ -314,7 +315,7 @@ fn switchover_with_a_write_held(source_leaves: bool) {
         &img,
         &[
             "--delay-every",
-            "1:3000:hold-writes",
+            "1:6000:hold-writes",
             "--drain-timeout-secs",
             "1",
             "--control-socket",
@@ -367,7 +368,7 @@ fn switchover_with_a_write_held(source_leaves: bool) {
     q.write_at(8 * 512, &[b'Y'; 512]).unwrap();
     q.flush_sync().unwrap();
     // Until the source's write has surely landed, had it been let go.
-    std::thread::sleep(Duration::from_secs(5).saturating_sub(sent.elapsed()));
+    std::thread::sleep(Duration::from_secs(8).saturating_sub(sent.elapsed()));
     let bytes = fs::read(&img).unwrap();
     assert!(
         bytes[4096..4608].iter().all(|&b| b == b'Y'),

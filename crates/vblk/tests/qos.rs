@@ -162,7 +162,17 @@ fn a_group_is_shared_fairly_and_changes_live() {
                 .zip(depths)
                 .map(|(sock, depth)| {
                     std::thread::spawn(move || {
-                        let job = ["--rw=randread", "--bs=4k", depth, "--size=64m"];
+                        // Sleeping on completions: two jobs spinning after every
+                        // submission on a small machine keep each other off the CPU
+                        // for milliseconds, and the QD1 one loses the group's time
+                        // (bench/qos.sh, docs/design-notes.md).
+                        let job = [
+                            "--rw=randread",
+                            "--bs=4k",
+                            depth,
+                            "--size=64m",
+                            "--spin-us=0",
+                        ];
                         let mut args = job.to_vec();
                         args.extend(["--runtime=8", "--time_based"]);
                         bench(&sock, &args).0
@@ -178,7 +188,10 @@ fn a_group_is_shared_fairly_and_changes_live() {
                         })
                     })
                     .collect();
-                (per_disk[0], per_disk[1], Instant::now())
+                // The window is the daemon's own (its uptime in the same answer), not
+                // when each `vblk stats` process happened to return.
+                let at = Duration::from_nanos(st["uptime_ns"].as_u64().unwrap_or(0));
+                (per_disk[0], per_disk[1], at)
             };
             // Wait until both are being served, then let them settle for a second.
             let deadline = Instant::now() + Duration::from_secs(5);
@@ -206,17 +219,26 @@ fn a_group_is_shared_fairly_and_changes_live() {
             rates
         };
         let pair = || pair_at(["--iodepth=16", "--iodepth=16"]);
-        let (mut x, mut y) = (0.0, 0.0);
-        rate_within_2pct("the group's total", 3000.0, || {
-            (x, y) = pair();
-            x + y
-        });
-        for (name, got) in [("a", x), ("b", y)] {
+        // Each rate here is tried up to three times, as `rate_within_2pct` does, for the
+        // same reason: a stall of the host moves one window, not every one.
+        let pair_within = |want: [f64; 2], slack: [f64; 2], what: &str| {
+            let mut seen = Vec::new();
+            let held = (0..3).any(|_| {
+                let (x, y) = pair();
+                seen.push(format!("{x:.0} + {y:.0}"));
+                let total = want[0] + want[1];
+                (x + y - total).abs() <= total * 0.02
+                    && (x - want[0]).abs() <= slack[0]
+                    && (y - want[1]).abs() <= slack[1]
+            });
             assert!(
-                (got - 1500.0).abs() <= 75.0,
-                "disk {name}: {got:.0} IOPS of a fair 1500 ({x:.0} + {y:.0})"
+                held,
+                "{what}: a + b IOPS in three tries {seen:?}, want {} ± {} + {} ± {} \
+                 (the total within 2 %)",
+                want[0], slack[0], want[1], slack[1]
             );
-        }
+        };
+        pair_within([1500.0, 1500.0], [75.0, 75.0], "a fair share of 3000 each");
         // A disk at QD1 beside one at QD32 gets its half too (it got 44 %: each of its
         // requests started it level with the other, forgiving what it was behind). Tried
         // up to three times, as the rates are: on a loaded machine the QD1 job may miss
@@ -270,18 +292,10 @@ fn a_group_is_shared_fairly_and_changes_live() {
         // A member held to less by its own limit leaves the rest of the group's to the
         // other (it held both to its own pace).
         ok(&["disk", "set", s(&ctl), "a", "iops-total=300,group=g"]);
-        rate_within_2pct(
-            "the group's total, one member capped at 300",
-            1000.0,
-            || {
-                (x, y) = pair();
-                x + y
-            },
-        );
-        within_2pct("a, capped at 300 in a group of 1000", x, 300.0);
-        assert!(
-            (y - 700.0).abs() <= 35.0,
-            "b: {y:.0} IOPS of the 700 its group's other member leaves (a {x:.0})"
+        pair_within(
+            [300.0, 700.0],
+            [6.0, 35.0],
+            "a capped at 300 in a group of 1000, b taking the 700 it leaves",
         );
         ok(&["disk", "set", s(&ctl), "a", "throttle=none,group=g"]);
         let st = stats(&ctl);

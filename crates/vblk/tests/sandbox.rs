@@ -76,6 +76,19 @@ impl Serve {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The log once it holds `needle` (at most 20 s): what the daemon writes after it
+    /// confined itself comes after the line `start` waits for.
+    fn log_with(&self, needle: &str) -> String {
+        let t0 = Instant::now();
+        loop {
+            let log = self.log_text();
+            if log.contains(needle) || t0.elapsed() > Duration::from_secs(20) {
+                return log;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn status(&self) -> String {
         fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default()
     }
@@ -281,7 +294,7 @@ fn forbidden_calls_from_inside_end_the_daemon_or_fail() {
         &[("VBLK_SANDBOX_SELFTEST", "open-passwd")],
         false,
     );
-    let log = s.log_text();
+    let log = s.log_with("open(/etc/passwd) refused");
     assert!(
         log.contains("open(/etc/passwd) refused: Permission denied"),
         "{log}"

@@ -285,7 +285,11 @@ fn a_server_slow_within_the_timeout_keeps_its_connection() {
         max_payload: 4096,
         ..EX
     };
-    let delay = secs(0.6 * TIMEOUT);
+    // Twice the other tests' timeout, each answer at under half of it: the large write
+    // (three windows of answers) outlasts the timeout, while a server thread stalled for
+    // a second on a loaded machine still answers each request within it.
+    let timeout = 2.0 * TIMEOUT;
+    let delay = secs(0.45 * timeout);
     let s = Server::unix(ex, move |s| {
         if !greet(s) {
             return;
@@ -310,7 +314,7 @@ fn a_server_slow_within_the_timeout_keeps_its_connection() {
             }
         }
     });
-    let b = open_uri(s.uri(), &opts(TIMEOUT, RECONNECT)).unwrap();
+    let b = open_uri(s.uri(), &opts(timeout, RECONNECT)).unwrap();
     let big = pattern(160 * BLOCK, 9);
     let small = pattern(BLOCK, 10);
     let (big2, small2) = (big.clone(), small.clone());
@@ -319,7 +323,7 @@ fn a_server_slow_within_the_timeout_keeps_its_connection() {
         let mut results = vec![write(&mut *e, 0, &big2)];
         let start = Instant::now();
         let mut n = 0;
-        while start.elapsed() < secs(3.0 * TIMEOUT) {
+        while start.elapsed() < secs(3.0 * timeout) {
             let at = (200 + n % 32) * BLOCK;
             results.push(write(&mut *e, at, &small2));
             let mut buf = vec![0u8; BLOCK];

@@ -371,7 +371,9 @@ fn a_large_operation_has_at_most_64_requests_awaiting_replies() {
                     Ok(Some(r)) => batch.push(r),
                     _ => return,
                 }
-                if s.quiet_for(secs(0.2)) {
+                // A second of quiet: the client has sent all it may (a stall of the
+                // client shorter than that does not split its window in two).
+                if s.quiet_for(secs(1.0)) {
                     break;
                 }
             }

@@ -78,28 +78,25 @@ pub fn within_2pct(what: &str, got: f64, want: f64) {
     );
 }
 
-/// Measures a limited rate with `measure` and asserts it within 2 % of `want`. A rate
-/// above the limit fails at once. One below it is measured again, up to three times in
-/// all: a limiter (QEMU's semantics) keeps at most its bucket's credit (0.1 s of the rate
-/// without a burst), so a host that stalls the client or the daemon for longer costs the
-/// rest of that time, as it should. A CI machine once took 11 % off a 3 s window that
-/// way; a limiter that undershoots does it on every try.
+/// Measures a limited rate with `measure` and asserts it within 2 % of `want` in one of
+/// up to three tries. A limiter (QEMU's semantics) keeps at most its bucket's credit (0.1 s
+/// of the rate without a burst), so a host that stalls the client or the daemon for longer
+/// costs the rest of that time, as it should (a CI machine once took 11 % off a 3 s window
+/// that way); one stalled across the end of the ramp has that credit to spend inside the
+/// window (up to 3 % over in 3 s). A limiter that undershoots or overshoots does it on
+/// every try.
 pub fn rate_within_2pct(what: &str, want: f64, mut measure: impl FnMut() -> f64) {
     let mut tries = Vec::new();
     for _ in 0..3 {
         let got = measure();
         eprintln!("{what}: {got:.1} measured, {want} configured");
-        assert!(
-            got <= want * 1.02,
-            "{what}: {got:.1} measured for {want} configured (more than 2 % over)"
-        );
-        if got >= want * 0.98 {
+        if (got - want).abs() <= want * 0.02 {
             return;
         }
         tries.push(format!("{got:.1}"));
     }
     panic!(
-        "{what}: {} measured in three tries for {want} configured (more than 2 % under)",
+        "{what}: {} measured in three tries for {want} configured (more than 2 % off each time)",
         tries.join(", ")
     );
 }
