@@ -12,20 +12,31 @@
 # and, for the latency baseline, (e) vblk-1x1: one vblk serve, one disk, one job alone.
 # Devices run on CPU 1, the 16 jobs on CPU 0, all at once for RUNTIME seconds (after a
 # 1 s ramp). Per setup: the device processes' CPU time (from /proc/PID/stat, all of them)
-# per I/O completed, their CPU share, the jobs' CPU (how busy CPU 0 was: the 16 jobs share
-# it) and the jobs' completion-latency p50/p99 (the worst disk's and the median disk's).
+# per I/O completed, their CPU share, their threads' wake-ups per I/O, how often CPU 1
+# halted per I/O (where sharing a thread can save: a wake-up on a CPU that halted costs
+# the way back from the hypervisor, one on a CPU busy with another daemon a context
+# switch), the jobs' CPU (how busy CPU 0 was: the 16 jobs share it) and the jobs'
+# completion-latency p50/p99 (the worst disk's and the median disk's).
 # One run per setup; the setups take turns. At the end, the issue's goals from this run:
 # (a)'s device CPU per I/O against (b)'s and (c)'s, and each disk's p99 in (a) against
 # its p99 with a daemon of its own, (b): the same 16 jobs on CPU 0, so the same client
 # load. The one-disk run (e) is the figure with CPU 0 nearly idle; its ratio is printed too.
 #
-#   bash bench/sharing.sh [RUNTIME_S] [OUT_DIR]
+#   bash bench/sharing.sh [RUNTIME_S] [OUT_DIR] [SETUPS]
+#
+# SETUPS (default: the seven above, in that order) picks setups by name; one more is
+# there for experiments: vblk-1x16-forced-coalesceUS, one daemon whose worker coalesces
+# for US µs after every busy period whatever its trials would choose (the regime pinned
+# through the testing aid VBLK_TEST_POLL_REGIME), to see what fewer wake-ups per I/O
+# cost and save (docs/design-notes.md, "One daemon, many disks"). The goals need
+# vblk-1x16, vblk-16x1, qsd-1x16 and vblk-1x1.
 #
 # Needs qemu-storage-daemon (qemu-system-common) and taskset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNTIME=${1:-10}
 OUT=${2:-$(mktemp -d /var/tmp/vblk-sharing.XXXXXX)}
+SETUPS=${3:-vblk-1x16 vblk-1x16-nopoll vblk-1x16-coalesce20 vblk-16x1 qsd-1x16 qsd-iot-1x16 vblk-1x1}
 mkdir -p "$OUT"
 N=16
 RATE=5000
@@ -45,6 +56,22 @@ HZ=$(getconf CLK_TCK)
 # and softirq are busy, idle and iowait idle; steal, time the host ran something else, is
 # neither, and guest time is already in user).
 cpu0_ticks() { awk '$1 == "cpu0" { b = $2 + $3 + $4 + $7 + $8; print b, b + $5 + $6 }' /proc/stat; }
+# Voluntary context switches (sleeps that ended in a wake-up) of every thread of the
+# listed pids.
+wakes() { local w=0 v; for p in "$@"; do for v in $(awk '/^voluntary_ctxt_switches/ {print $2}' /proc/"$p"/task/*/status 2>/dev/null); do w=$((w + v)); done; done; echo "$w"; }
+# How often CPU 1, the devices' CPU, entered an idle state that stops it (every cpuidle
+# state but POLL; on this VM a halt, which exits to the hypervisor), or "-" without
+# cpuidle. A wake-up of a thread on a CPU that was busy with another is a context switch;
+# one on a CPU that halted is also the CPU's way back from the hypervisor.
+halts1() {
+  local n=0 found="" s
+  for s in /sys/devices/system/cpu/cpu1/cpuidle/state*; do
+    [ -r "$s/usage" ] || continue
+    [ "$(cat "$s/name")" = POLL ] && continue
+    n=$((n + $(cat "$s/usage"))); found=1
+  done
+  if [ -n "$found" ]; then echo "$n"; else echo -; fi
+}
 
 start_vblk_one() {
   taskset -c 1 "$V" --log-level warn serve --socket-path "$D/d0.sock" --blk-file null:1G --num-queues 1 &
@@ -83,7 +110,7 @@ start_qsd() { # [iothread]
 # run NAME DISKS: the jobs against d0..d(DISKS-1); writes OUT/NAME-i.json and a summary line.
 run() {
   local name=$1 disks=$2 jobs=()
-  local t0 w0 c0
+  local t0 w0 c0 v0 h0
   for i in $(seq 0 $((disks - 1))); do
     taskset -c 0 "$V" --log-level warn bench --socket "$D/d$i.sock" --name "$name-$i" \
       --rw=randread --bs=4k --iodepth=$((1 + i % 4)) --rate_iops=$RATE --size=1g \
@@ -92,18 +119,24 @@ run() {
   done
   sleep 1
   t0=$(ticks "${pids[@]}")
+  v0=$(wakes "${pids[@]}")
+  h0=$(halts1)
   c0=$(cpu0_ticks)
   w0=$(date +%s.%N)
   wait "${jobs[@]}"
-  local t1 w1 c1
+  local t1 w1 c1 v1 h1
   t1=$(ticks "${pids[@]}")
+  v1=$(wakes "${pids[@]}")
+  h1=$(halts1)
   c1=$(cpu0_ticks)
   w1=$(date +%s.%N)
-  python3 - "$name" "$disks" "$OUT" "$((t1 - t0))" "$HZ" "$w0" "$w1" "$c0" "$c1" <<'EOF'
+  python3 - "$name" "$disks" "$OUT" "$((t1 - t0))" "$HZ" "$w0" "$w1" "$c0" "$c1" "$((v1 - v0))" "$h0" "$h1" <<'EOF'
 import json, sys, statistics
 name, disks, out, dt, hz, w0, w1 = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
 busy0, all0 = map(int, sys.argv[8].split())
 busy1, all1 = map(int, sys.argv[9].split())
+dev_wakes = int(sys.argv[10])
+halts = None if "-" in (sys.argv[11], sys.argv[12]) else int(sys.argv[12]) - int(sys.argv[11])
 jobs_cpu = 100 * (busy1 - busy0) / max(1, all1 - all0)
 ios, p50, p99 = 0, [], []
 for i in range(disks):
@@ -114,25 +147,36 @@ for i in range(disks):
     p99.append(pct["99.000000"] / 1000)
 cpu_s = dt / hz
 wall = w1 - w0
+per_io = lambda x: "-" if x is None or not ios else f"{x / ios:.3f}"
 print(f"{name:<20} {disks:>5} {ios/ (wall - 0):>10.0f} {cpu_s / ios * 1e6 if ios else 0:>12.2f} {100 * cpu_s / wall:>8.1f} "
+      f"{per_io(dev_wakes):>10} {per_io(halts):>10} "
       f"{jobs_cpu:>9.1f} {statistics.median(p50):>9.1f} {statistics.median(p99):>9.1f} {max(p99):>9.1f}")
 with open(f"{out}/summary.tsv", "a") as f:
-    f.write(f"{name}\t{ios}\t{cpu_s}\n")
+    f.write(f"{name}\t{ios}\t{cpu_s}\t{dev_wakes}\t{'' if halts is None else halts}\n")
 EOF
 }
 
 echo "== sharing: $N null disks, each a job paced at $RATE IOPS (QD 1-4), ${RUNTIME}s after a 1 s ramp; devices on CPU 1, jobs on CPU 0"
 echo "== machine: $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /proc/loadavg); $("$V" --version)"
 rm -f "$OUT/summary.tsv"
-printf '%-20s %5s %10s %12s %8s %9s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "jobs CPU%" "p50 med" "p99 med" "p99 max"
-start_vblk_many; run vblk-1x16 "$N"; stop_all
-start_vblk_many --poll-us 0; run vblk-1x16-nopoll "$N"; stop_all
-start_vblk_many --coalesce-us 20; run vblk-1x16-coalesce20 "$N"; stop_all
-start_vblk_each; run vblk-16x1 "$N"; stop_all
-start_qsd; run qsd-1x16 "$N"; stop_all
-start_qsd iothread; run qsd-iot-1x16 "$N"; stop_all
-start_vblk_one; run vblk-1x1 1; stop_all
-echo "(latencies in µs, completion latency as fio's clat; dev µs/I/O: the device processes' CPU time per I/O completed; jobs CPU%: how busy CPU 0, the jobs' CPU, was; JSON in $OUT)"
+printf '%-20s %5s %10s %12s %8s %10s %10s %9s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "wakes/I/O" "halts/I/O" "jobs CPU%" "p50 med" "p99 med" "p99 max"
+for setup in $SETUPS; do
+  case $setup in
+    vblk-1x16) start_vblk_many; run "$setup" "$N" ;;
+    vblk-1x16-nopoll) start_vblk_many --poll-us 0; run "$setup" "$N" ;;
+    vblk-1x16-coalesce20) start_vblk_many --coalesce-us 20; run "$setup" "$N" ;;
+    vblk-1x16-forced-coalesce*)
+      us=${setup#vblk-1x16-forced-coalesce}
+      VBLK_TEST_POLL_REGIME=coalesce start_vblk_many --coalesce-us "$us"; run "$setup" "$N" ;;
+    vblk-16x1) start_vblk_each; run "$setup" "$N" ;;
+    qsd-1x16) start_qsd; run "$setup" "$N" ;;
+    qsd-iot-1x16) start_qsd iothread; run "$setup" "$N" ;;
+    vblk-1x1) start_vblk_one; run "$setup" 1 ;;
+    *) echo "unknown setup $setup" >&2; exit 2 ;;
+  esac
+  stop_all
+done
+echo "(latencies in µs, completion latency as fio's clat; dev µs/I/O: the device processes' CPU time per I/O completed; wakes/I/O: their threads' voluntary context switches per I/O; halts/I/O: CPU 1's entries into an idle state that stops it (a halt, on this VM) per I/O; jobs CPU%: how busy CPU 0, the jobs' CPU, was; JSON in $OUT)"
 python3 - "$OUT" "$N" <<'EOF'
 # The summary never fails the run: a setup that measured nothing (no I/O, no CPU time, a
 # job without a p99) gives "not measured" here and null in goals.json.
@@ -140,7 +184,7 @@ import json, sys
 out, n = sys.argv[1], int(sys.argv[2])
 cost = {}
 for line in open(f"{out}/summary.tsv"):
-    name, ios, cpu_s = line.rstrip("\n").split("\t")
+    name, ios, cpu_s = line.rstrip("\n").split("\t")[:3]
     cost[name] = float(cpu_s) / int(ios) if int(ios) > 0 and float(cpu_s) > 0 else None
 def p99(name, i):
     try:
