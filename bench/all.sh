@@ -7,7 +7,7 @@
 #   quick   about 10 minutes: one run per variant, 2 s each (3 s for the device tables),
 #           the hard-disk tables' sequential rows only, no many-disk tables
 #   full    about 65 minutes (the default): 3 runs per variant taking turns, 3 s each
-#           (5 s for the device tables; 10 rounds for the disk-bound QD32 device tables,
+#           (5 s for the device tables; 10 rounds for the disk-bound device tables
 #           whose paired ratios decide goals: bench/devices.sh, DISK_REPEAT), the random
 #           hard-disk rows, and the many-disk sharing and QoS tables (bench/sharing.sh,
 #           bench/qos.sh, 10 s windows)
@@ -51,7 +51,7 @@ trap 'rm -rf "$D"' EXIT
 START=$(date +%s)
 
 . bench/lib/machine.sh
-machine_txt "$MODE (REPEAT=$REPEAT, RUNTIME=${RUNTIME}s, device tables ${DEV_RUNTIME}s, disk-bound QD32 device tables $DISK_REPEAT rounds)" \
+machine_txt "$MODE (REPEAT=$REPEAT, RUNTIME=${RUNTIME}s, device tables ${DEV_RUNTIME}s, disk-bound device tables that decide goals $DISK_REPEAT rounds)" \
   "bash bench/all.sh $MODE" "$COMMIT" > "$OUT/machine.txt"
 cat "$OUT/machine.txt" >&2
 

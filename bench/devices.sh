@@ -9,7 +9,7 @@
 # Device CPU comes from /proc/PID/stat in 10 ms ticks: over 5 s, 0.2 % resolution.
 #
 #   bash bench/devices.sh [REPEAT] [RUNTIME_S] [TABLES]
-#   DISK_REPEAT=10 bash bench/devices.sh ...   (rounds of the disk-bound QD32 tables)
+#   DISK_REPEAT=10 bash bench/devices.sh ...   (rounds of the disk-bound tables that decide goals)
 #
 # Devices (all pinned to CPU 1; the null tables compare the first five):
 #   vblk            vblk serve with its defaults (adaptive polling up to 200 µs, and only
@@ -64,10 +64,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPEAT=${1:-3}
-# Rounds of the disk-bound QD32 tables (file-qd32, qcow2-qd32, qcow2-write-qd32,
-# qcow2-chain3-qd32): their sides differ by less than the disk drifts from round to round
+# Rounds of the disk-bound tables (file-qd32, qcow2-qd32, qcow2-write-qd32,
+# qcow2-chain3-qd32, and the two QD1 qcow2 tables that decide goals, qcow2-qd1 and
+# qcow2-write-qd1): their sides differ by less than the disk drifts from round to round
 # (±10 % over minutes), so the goals they decide are judged on paired per-round ratios
-# (bench/render.py), which need more rounds than REPEAT to tell 5 % apart.
+# (bench/render.py), which need more rounds than REPEAT to tell 5 % apart (with 3, the
+# QD1 rows' intervals spanned 0.4-2x).
 DISK_REPEAT=${DISK_REPEAT:-$REPEAT}
 unset ROUNDS # set per table below (bench's --repeat), never taken from the caller
 RUNTIME=${2:-5}
@@ -184,7 +186,7 @@ if want qcow2-qd1 || want qcow2-qd32; then
   qsd qsd-qcow2 "$Q"
   qsd qsd-qcow2-iothread "$Q" iothread
   QCOW="socket=$(sock vblk-qcow2),$(sock vblk-raw),$(sock qsd-qcow2),$(sock qsd-qcow2-iothread)"
-  want qcow2-qd1 && bench "qcow2-qd1: fully allocated qcow2 on an O_DIRECT file, QD1" --iodepth=1 --compare "$QCOW"
+  want qcow2-qd1 && ROUNDS=$DISK_REPEAT bench "qcow2-qd1: fully allocated qcow2 on an O_DIRECT file, QD1" --iodepth=1 --compare "$QCOW"
   want qcow2-qd32 && ROUNDS=$DISK_REPEAT bench "qcow2-qd32: fully allocated qcow2 on an O_DIRECT file, QD32" --iodepth=32 --compare "$QCOW"
   stop_all
 fi
@@ -202,8 +204,7 @@ if want qcow2-write-qd1 || want qcow2-write-qd32; then
   WRITE="socket=$(sock vblk-qcow2),$(sock vblk-raw),$(sock qsd-qcow2),$(sock qsd-qcow2-iothread)"
   for qd in 1 32; do
     want "qcow2-write-qd$qd" || continue
-    rounds=$REPEAT
-    [ "$qd" = 32 ] && rounds=$DISK_REPEAT
+    rounds=$DISK_REPEAT
     record "qcow2-write-qd$qd" "random 4k writes to a fully allocated qcow2 (overwrites), O_DIRECT, QD$qd" \
       taskset -c 0 "$V" --log-level warn bench --name "qcow2-write-qd$qd" --bs=4k \
       --rw=randwrite --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g --iodepth="$qd" \
