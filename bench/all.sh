@@ -6,7 +6,7 @@
 #
 #   quick   about 10 minutes: one run per variant, 2 s each (3 s for the device tables),
 #           the hard-disk tables' sequential rows only, no many-disk tables
-#   full    about 65 minutes (the default): 3 runs per variant taking turns, 3 s each
+#   full    about 75 minutes (the default): 3 runs per variant taking turns, 3 s each
 #           (5 s for the device tables; 10 rounds for the disk-bound device tables
 #           whose paired ratios decide goals: bench/devices.sh, DISK_REPEAT), the random
 #           hard-disk rows, and the many-disk sharing and QoS tables (bench/sharing.sh,

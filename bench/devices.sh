@@ -204,11 +204,10 @@ if want qcow2-write-qd1 || want qcow2-write-qd32; then
   WRITE="socket=$(sock vblk-qcow2),$(sock vblk-raw),$(sock qsd-qcow2),$(sock qsd-qcow2-iothread)"
   for qd in 1 32; do
     want "qcow2-write-qd$qd" || continue
-    rounds=$DISK_REPEAT
     record "qcow2-write-qd$qd" "random 4k writes to a fully allocated qcow2 (overwrites), O_DIRECT, QD$qd" \
       taskset -c 0 "$V" --log-level warn bench --name "qcow2-write-qd$qd" --bs=4k \
       --rw=randwrite --runtime="$RUNTIME" --time_based --ramp_time=1 --size=1g --iodepth="$qd" \
-      --repeat "$rounds" --compare "$WRITE"
+      --repeat "$DISK_REPEAT" --compare "$WRITE"
   done
   stop_all
   rm -f "$D"/w-*.qcow2 "$D/w-raw.img"

@@ -4,7 +4,10 @@
 # with one worker thread (`shared`, the default) or by 16 vblk serve daemons (`each`).
 # Over 5 s inside the run: the I/Os completed, the daemons' CPU (/proc/PID/stat), and from
 # `vblk stats` their worker threads' sleeps, polls that found work and polls that did not,
-# and the CPU a sleep costs (each worker's own measure; for `each`, the mean over 16).
+# and the CPU a sleep costs (each worker's own measure; for `each`, the mean over 16),
+# and the daemons' write system calls (/proc/PID/io syscw: their eventfd writes, each a
+# completion signalled to a job that went to sleep waiting for it). The environment
+# reaches the daemons: VBLK_TEST_POLL_REGIME=coalesce pins the coalescing regime.
 #
 #   bash bench/sharing-stats.sh [shared|each] [SERVE_FLAGS...]     e.g. shared --poll-us 0
 set -euo pipefail
@@ -44,18 +47,21 @@ for i in $(seq 0 15); do
   jobs+=($!)
 done
 ticks() { local t=0; for p in "${pids[@]}"; do t=$((t + $(awk '{print $14 + $15}' /proc/"$p"/stat))); done; echo "$t"; }
+writes() { local w=0; for p in "${pids[@]}"; do w=$((w + $(awk '/^syscw:/ {print $2}' /proc/"$p"/io))); done; echo "$w"; }
 snap() { local k=0; for c in "${ctls[@]}"; do "$V" stats "$c" --json >"$D/$1-$k.json"; k=$((k + 1)); done; }
 sleep 2
 snap s0
 t0=$(ticks)
+w0=$(writes)
 sleep 5
 snap s1
 t1=$(ticks)
+w1=$(writes)
 wait "${jobs[@]}"
 echo "== $MODE: machine $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /proc/loadavg); serve flags: ${*:-(defaults)}"
-python3 - "$D" "${#ctls[@]}" "$((t1 - t0))" "$(getconf CLK_TCK)" <<'PY'
+python3 - "$D" "${#ctls[@]}" "$((t1 - t0))" "$(getconf CLK_TCK)" "$((w1 - w0))" <<'PY'
 import json, sys
-d, n, ticks, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+d, n, ticks, hz, writes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 load = lambda tag, k: json.load(open(f"{d}/{tag}-{k}.json"))
 ios = sleeps = hits = misses = 0.0
 costs, secs_all = [], []
@@ -75,6 +81,8 @@ cpu = ticks / hz / (sum(secs_all) / n)
 print(f"I/Os per s {ios:.0f}; device CPU {100 * cpu:.1f} %, {cpu / ios * 1e6:.2f} µs per I/O")
 print(f"sleeps per s {sleeps:.0f} ({ios / max(sleeps, 1):.1f} I/Os per wake-up); "
       f"polls that found work per s {hits:.0f}, that did not {misses:.0f}")
+wps = writes / (sum(secs_all) / n)
+print(f"write system calls per s {wps:.0f} ({wps / max(ios, 1):.3f} per I/O: completions signalled)")
 if costs:
     print(f"a sleep's CPU cost (the workers' own measure, mean of {len(costs)}): {sum(costs) / len(costs) / 1000:.1f} µs")
 PY
