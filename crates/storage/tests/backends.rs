@@ -92,6 +92,102 @@ fn mem_disk() {
     }
 }
 
+/// Operations submitted together: the inline engine prefetches each one's first lines
+/// while the one before it copies, so every kind of neighbour must come out as if it were
+/// alone, an operation past the end (refused) and one with no buffer among them.
+#[test]
+fn mem_ops_submitted_together_match_the_model() {
+    const SIZE: usize = 4 * MIB;
+    let b = open_spec("mem:4M", false);
+    let mut e = b.engine(EngineKind::IoUring, 64).unwrap();
+    let mut model = vec![0u8; SIZE];
+    let mut rng = Rng::new(77);
+    for _ in 0..20 {
+        let mut bufs: Vec<Buf> = Vec::new();
+        let mut ops: Vec<(u64, Op)> = Vec::new();
+        let mut expect: Vec<Option<(usize, Vec<u8>)>> = Vec::new();
+        let mut iovs: Vec<libc::iovec> = Vec::with_capacity(32);
+        for token in 0..32u64 {
+            let len = (1 + rng.below(16) as usize) * 512;
+            let off = rng.below(((SIZE - len) / 512) as u64 + 1) as usize * 512;
+            let mut buf = Buf::new(len, 0);
+            let op = match rng.below(6) {
+                0 | 1 => {
+                    iovs.push(buf.iovec());
+                    Op::Read {
+                        offset: off as u64,
+                        iov: iovs.last().unwrap(),
+                        iovcnt: 1,
+                    }
+                }
+                2 | 3 => {
+                    rng.fill(buf.as_mut_slice());
+                    iovs.push(buf.iovec());
+                    Op::Write {
+                        offset: off as u64,
+                        iov: iovs.last().unwrap(),
+                        iovcnt: 1,
+                        durable: false,
+                    }
+                }
+                4 => {
+                    iovs.push(buf.iovec());
+                    Op::Read {
+                        offset: (SIZE + off) as u64,
+                        iov: iovs.last().unwrap(),
+                        iovcnt: 1,
+                    }
+                }
+                _ => Op::Read {
+                    offset: off as u64,
+                    iov: std::ptr::null(),
+                    iovcnt: 0,
+                },
+            };
+            ops.push((token, op));
+            bufs.push(buf);
+            expect.push(None);
+        }
+        // SAFETY: `bufs` and `iovs` (never reallocated: capacity 32) outlive the run.
+        let done = unsafe { run(&mut *e, &ops) };
+        // The model, applied in order (the engine runs them in order).
+        for (i, &(_, op)) in ops.iter().enumerate() {
+            match op {
+                Op::Read { offset, iovcnt, .. } if iovcnt == 1 && (offset as usize) < SIZE => {
+                    let len = bufs[i].as_slice().len();
+                    let at = offset as usize;
+                    expect[i] = Some((i, model[at..at + len].to_vec()));
+                }
+                Op::Write { offset, .. } => {
+                    let at = offset as usize;
+                    let data = bufs[i].as_slice();
+                    model[at..at + data.len()].copy_from_slice(data);
+                }
+                _ => {}
+            }
+        }
+        for (c, &(_, op)) in done.iter().zip(&ops) {
+            match op {
+                Op::Read { offset, .. } if offset as usize >= SIZE => {
+                    assert_eq!(
+                        c.result.as_ref().unwrap_err().raw_os_error(),
+                        Some(libc::EINVAL)
+                    )
+                }
+                Op::Read { iovcnt: 0, .. } => assert_eq!(*c.result.as_ref().unwrap(), 0),
+                _ => assert!(c.result.is_ok(), "{:?}", c.result),
+            }
+        }
+        for (i, want) in expect.into_iter().flatten() {
+            assert!(
+                bufs[i].as_slice() == want,
+                "read {i} differs from the model"
+            );
+        }
+    }
+    assert!(read(&mut *e, 0, &[SIZE], 0).unwrap() == model);
+}
+
 #[test]
 fn mem_depth_full() {
     let b = open_spec("mem:64K", false);
