@@ -131,6 +131,7 @@ done
 if [ "$MODE" = full ]; then
   echo "== many disks: sharing and QoS (bench/sharing.sh, bench/qos.sh)" >&2
   bash bench/sharing.sh 10 "$JSON_OUT/sharing-json" > "$JSON_OUT/sharing.txt"
+  bash bench/sharing.sh 10 "$JSON_OUT/sharing-thread-json" "" thread > "$JSON_OUT/sharing-thread.txt"
   bash bench/qos.sh 10 "$JSON_OUT/qos-json" > "$JSON_OUT/qos.txt"
 fi
 

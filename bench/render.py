@@ -480,44 +480,54 @@ def goal_rows(tables):
     return rows
 
 
-def many_disk_rows(d):
-    """Issue 21's measured goals, from this run's bench/sharing.sh and bench/qos.sh output
-    (full runs only)."""
-    rows = []
-    goals = os.path.join(d, "sharing-json", "goals.json")
+def sharing_rows(d, sub, client, alone, rows):
+    """The headline rows of one bench/sharing.sh run (its goals.json in `sub`), whose
+    client is `client` (the tail rows' words for it) and `alone` (the one-disk run's)."""
+    goals = os.path.join(d, sub, "goals.json")
     if not os.path.exists(goals) and os.path.exists(goals + ".gz"):
         goals += ".gz"  # bench/all.sh gzips a run's JSON once the page is written
-    if os.path.exists(goals):
-        with (gzip.open(goals, "rt") if goals.endswith(".gz") else open(goals)) as f:
-            g = json.load(f)
-        c = g["cpu_per_io_us"]
-        unmeasured = "not measured in this run (bench/sharing.sh)"
+    if not os.path.exists(goals):
+        return
+    with (gzip.open(goals, "rt") if goals.endswith(".gz") else open(goals)) as f:
+        g = json.load(f)
+    c = g["cpu_per_io_us"]
+    unmeasured = "not measured in this run (bench/sharing.sh)"
 
-        def cpu_row(measure, other, key, goal, bound):
-            r = g.get(key)
-            if r is None:
-                rows.append((measure, unmeasured, "–", goal, "–"))
-            else:
-                rows.append((measure, f"{num(c.get('vblk-1x16'))} vs {num(c.get(other))}",
-                             f"{r:.2f}×", goal, r <= bound))
+    def cpu_row(measure, other, key, goal, bound):
+        r = g.get(key)
+        if r is None:
+            rows.append((measure, unmeasured, "–", goal, "–"))
+        else:
+            rows.append((measure, f"{num(c.get('vblk-1x16'))} vs {num(c.get(other))}",
+                         f"{r:.2f}×", goal, r <= bound))
 
-        cpu_row("16 disks at 5 k IOPS: device µs CPU per I/O, one daemon vs 16 daemons",
-                "vblk-16x1", "cpu_vs_16x1", "≤ 0.5×", 0.5)
-        cpu_row("16 disks: device µs CPU per I/O, one daemon vs qsd with 16 exports",
-                "qsd-1x16", "cpu_vs_qsd", "≤ 1×", 1)
-        def tail_row(measure, key, figure):
-            t = g.get(key)
-            if t is None:
-                rows.append((measure, unmeasured, "–", "≤ 2×", "–"))
-            else:
-                rows.append((measure, figure(t), f"{t['ratio']:.2f}×", "≤ 2×", t["ratio"] <= 2))
+    def tail_row(measure, key, figure):
+        t = g.get(key)
+        if t is None:
+            rows.append((measure, unmeasured, "–", "≤ 2×", "–"))
+        else:
+            rows.append((measure, figure(t), f"{t['ratio']:.2f}×", "≤ 2×", t["ratio"] <= 2))
 
-        tail_row("16 disks: p99 of the disk it grows most for, one daemon vs a daemon of "
-                 "its own (the same 16 jobs on CPU 0)", "tail_vs_own",
-                 lambda t: f"disk {t['disk']}: {t['shared_us']:.1f} vs {t['own_us']:.1f} µs")
-        tail_row("16 disks: worst disk's p99 in one daemon vs one disk and one job alone "
-                 "(the 16 jobs keep CPU 0 busy: see the sharing table)", "tail_vs_alone",
-                 lambda t: f"{t['worst_us']:.1f} vs {t['alone_us']:.1f} µs")
+    cpu_row(f"16 disks at 5 k IOPS ({client}): device µs CPU per I/O, one daemon vs 16 "
+            "daemons", "vblk-16x1", "cpu_vs_16x1", "≤ 0.5×", 0.5)
+    cpu_row(f"16 disks ({client}): device µs CPU per I/O, one daemon vs qsd with 16 exports",
+            "qsd-1x16", "cpu_vs_qsd", "≤ 1×", 1)
+    tail_row(f"16 disks ({client}): p99 of the disk it grows most for, one daemon vs a "
+             "daemon of its own", "tail_vs_own",
+             lambda t: f"disk {t['disk']}: {t['shared_us']:.1f} vs {t['own_us']:.1f} µs")
+    tail_row(f"16 disks ({client}): worst disk's p99 in one daemon vs one disk alone "
+             f"({alone})", "tail_vs_alone",
+             lambda t: f"{t['worst_us']:.1f} vs {t['alone_us']:.1f} µs")
+
+
+def many_disk_rows(d):
+    """Issue 21's measured goals, from this run's bench/sharing.sh (both clients) and
+    bench/qos.sh output (full runs only)."""
+    rows = []
+    sharing_rows(d, "sharing-json", "16 jobs, a process each, on CPU 0",
+                 "one job; the 16 keep CPU 0 busy: see the sharing table", rows)
+    sharing_rows(d, "sharing-thread-json", "one client thread drives all 16",
+                 "the same client, one disk", rows)
     qos = os.path.join(d, "qos.txt")
     if os.path.exists(qos):
         # A limit's rate (the group's total too) is held to 2 %; a member's share of a
@@ -613,6 +623,8 @@ def main():
             out += render_table(tid, manifest[tid], tables[tid])
     for name, title, script in (
         ("sharing.txt", "Many disks, one daemon", "bench/sharing.sh 10"),
+        ("sharing-thread.txt", "Many disks, one daemon, driven by one client thread",
+         'bench/sharing.sh 10 DIR "" thread'),
         ("qos.txt", "QoS accuracy", "bench/qos.sh 10"),
     ):
         p = os.path.join(d, name)

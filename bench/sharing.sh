@@ -22,7 +22,16 @@
 # its p99 with a daemon of its own, (b): the same 16 jobs on CPU 0, so the same client
 # load. The one-disk run (e) is the figure with CPU 0 nearly idle; its ratio is printed too.
 #
-#   bash bench/sharing.sh [RUNTIME_S] [OUT_DIR] [SETUPS]
+#   bash bench/sharing.sh [RUNTIME_S] [OUT_DIR] [SETUPS] [CLIENT]
+#
+# CLIENT picks who drives the disks (the same for every setup):
+#   jobs    (default) sixteen `vblk bench` processes, one per disk, at QD 1-4 as above:
+#           sixteen threads taking turns on CPU 0, whose scheduling sets the tails.
+#   thread  one `vblk bench` process whose one thread drives all sixteen disks
+#           (--socket x16 --numjobs 16 --job-threads 1), each clone paced at 5 k IOPS
+#           with up to 4 in flight: it fills, polls and sleeps on all sixteen queues in
+#           one loop, as one vCPU or one SPDK reactor would. The 1x1 setup runs the same
+#           client with one disk.
 #
 # SETUPS (default: the seven above, in that order) picks setups by name; one more is
 # there for experiments: vblk-1x16-forced-coalesceUS, one daemon whose worker coalesces
@@ -37,6 +46,8 @@ cd "$(dirname "$0")/.."
 RUNTIME=${1:-10}
 OUT=${2:-$(mktemp -d /var/tmp/vblk-sharing.XXXXXX)}
 SETUPS=${3:-vblk-1x16 vblk-1x16-nopoll vblk-1x16-coalesce20 vblk-16x1 qsd-1x16 qsd-iot-1x16 vblk-1x1}
+CLIENT=${4:-jobs}
+case $CLIENT in jobs | thread) ;; *) echo "CLIENT must be jobs or thread, not $CLIENT" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 N=16
 RATE=5000
@@ -56,6 +67,9 @@ HZ=$(getconf CLK_TCK)
 # and softirq are busy, idle and iowait idle; steal, time the host ran something else, is
 # neither, and guest time is already in user).
 cpu0_ticks() { awk '$1 == "cpu0" { b = $2 + $3 + $4 + $7 + $8; print b, b + $5 + $6 }' /proc/stat; }
+# Steal ticks of both CPUs (time the host ran something else while this VM wanted to run):
+# a stall no process here causes, and the first suspect for a tail.
+steal_ticks() { awk '$1 == "cpu0" || $1 == "cpu1" { s += $9 } END { print s }' /proc/stat; }
 # Voluntary context switches (sleeps that ended in a wake-up) of every thread of the
 # listed pids.
 wakes() { local w=0 v; for p in "$@"; do for v in $(awk '/^voluntary_ctxt_switches/ {print $2}' /proc/"$p"/task/*/status 2>/dev/null); do w=$((w + v)); done; done; echo "$w"; }
@@ -110,27 +124,47 @@ start_qsd() { # [iothread]
 # run NAME DISKS: the jobs against d0..d(DISKS-1); writes OUT/NAME-i.json and a summary line.
 run() {
   local name=$1 disks=$2 jobs=()
-  local t0 w0 c0 v0 h0
-  for i in $(seq 0 $((disks - 1))); do
-    taskset -c 0 "$V" --log-level warn bench --socket "$D/d$i.sock" --name "$name-$i" \
-      --rw=randread --bs=4k --iodepth=$((1 + i % 4)) --rate_iops=$RATE --size=1g \
-      --runtime="$RUNTIME" --time_based --ramp_time=1 --output-format=json >"$OUT/$name-$i.json" &
+  local t0 w0 c0 v0 h0 s0
+  if [ "$CLIENT" = thread ]; then
+    local socks=()
+    for i in $(seq 0 $((disks - 1))); do socks+=(--socket "$D/d$i.sock"); done
+    taskset -c 0 "$V" --log-level warn bench "${socks[@]}" --name "$name" --numjobs "$disks" --job-threads 1 \
+      --rw=randread --bs=4k --iodepth=4 --rate_iops=$RATE --size=1g \
+      --runtime="$RUNTIME" --time_based --ramp_time=1 --output-format=json >"$OUT/$name.json" &
     jobs+=($!)
-  done
+  else
+    for i in $(seq 0 $((disks - 1))); do
+      taskset -c 0 "$V" --log-level warn bench --socket "$D/d$i.sock" --name "$name-$i" \
+        --rw=randread --bs=4k --iodepth=$((1 + i % 4)) --rate_iops=$RATE --size=1g \
+        --runtime="$RUNTIME" --time_based --ramp_time=1 --output-format=json >"$OUT/$name-$i.json" &
+      jobs+=($!)
+    done
+  fi
   sleep 1
   t0=$(ticks "${pids[@]}")
   v0=$(wakes "${pids[@]}")
   h0=$(halts1)
   c0=$(cpu0_ticks)
+  s0=$(steal_ticks)
   w0=$(date +%s.%N)
   wait "${jobs[@]}"
-  local t1 w1 c1 v1 h1
+  local t1 w1 c1 v1 h1 s1
   t1=$(ticks "${pids[@]}")
   v1=$(wakes "${pids[@]}")
   h1=$(halts1)
   c1=$(cpu0_ticks)
+  s1=$(steal_ticks)
   w1=$(date +%s.%N)
-  python3 - "$name" "$disks" "$OUT" "$((t1 - t0))" "$HZ" "$w0" "$w1" "$c0" "$c1" "$((v1 - v0))" "$h0" "$h1" <<'EOF'
+  if [ "$CLIENT" = thread ]; then
+    # One file per clone, shaped as a one-disk job's, for the summaries below.
+    python3 - "$OUT/$name.json" "$OUT/$name" <<'EOF'
+import json, sys
+v = json.load(open(sys.argv[1]))
+for j in v["jobs"]:
+    json.dump({"jobs": [j]}, open(f"{sys.argv[2]}-{j['vblk']['clone']}.json", "w"))
+EOF
+  fi
+  python3 - "$name" "$disks" "$OUT" "$((t1 - t0))" "$HZ" "$w0" "$w1" "$c0" "$c1" "$((v1 - v0))" "$h0" "$h1" "$((s1 - s0))" <<'EOF'
 import json, sys, statistics
 name, disks, out, dt, hz, w0, w1 = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
 busy0, all0 = map(int, sys.argv[8].split())
@@ -138,6 +172,7 @@ busy1, all1 = map(int, sys.argv[9].split())
 dev_wakes = int(sys.argv[10])
 halts = None if "-" in (sys.argv[11], sys.argv[12]) else int(sys.argv[12]) - int(sys.argv[11])
 jobs_cpu = 100 * (busy1 - busy0) / max(1, all1 - all0)
+steal = int(sys.argv[13]) / hz
 ios, p50, p99 = 0, [], []
 for i in range(disks):
     j = json.load(open(f"{out}/{name}-{i}.json"))["jobs"][0]["read"]
@@ -150,16 +185,20 @@ wall = w1 - w0
 per_io = lambda x: "-" if x is None or not ios else f"{x / ios:.3f}"
 print(f"{name:<20} {disks:>5} {ios/ (wall - 0):>10.0f} {cpu_s / ios * 1e6 if ios else 0:>12.2f} {100 * cpu_s / wall:>8.1f} "
       f"{per_io(dev_wakes):>10} {per_io(halts):>10} "
-      f"{jobs_cpu:>9.1f} {statistics.median(p50):>9.1f} {statistics.median(p99):>9.1f} {max(p99):>9.1f}")
+      f"{jobs_cpu:>9.1f} {100 * steal / wall:>7.2f} {statistics.median(p50):>9.1f} {statistics.median(p99):>9.1f} {max(p99):>9.1f}")
 with open(f"{out}/summary.tsv", "a") as f:
     f.write(f"{name}\t{ios}\t{cpu_s}\t{dev_wakes}\t{'' if halts is None else halts}\n")
 EOF
 }
 
-echo "== sharing: $N null disks, each a job paced at $RATE IOPS (QD 1-4), ${RUNTIME}s after a 1 s ramp; devices on CPU 1, jobs on CPU 0"
+if [ "$CLIENT" = thread ]; then
+  echo "== sharing: $N null disks, each a clone paced at $RATE IOPS (QD up to 4), all driven by one thread of one vblk bench (--job-threads 1), ${RUNTIME}s after a 1 s ramp; devices on CPU 1, the client on CPU 0"
+else
+  echo "== sharing: $N null disks, each a job paced at $RATE IOPS (QD 1-4), ${RUNTIME}s after a 1 s ramp; devices on CPU 1, jobs on CPU 0"
+fi
 echo "== machine: $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /proc/loadavg); $("$V" --version)"
 rm -f "$OUT/summary.tsv"
-printf '%-20s %5s %10s %12s %8s %10s %10s %9s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "wakes/I/O" "halts/I/O" "jobs CPU%" "p50 med" "p99 med" "p99 max"
+printf '%-20s %5s %10s %12s %8s %10s %10s %9s %7s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "wakes/I/O" "halts/I/O" "jobs CPU%" "steal%" "p50 med" "p99 med" "p99 max"
 for setup in $SETUPS; do
   case $setup in
     vblk-1x16) start_vblk_many; run "$setup" "$N" ;;
@@ -176,7 +215,7 @@ for setup in $SETUPS; do
   esac
   stop_all
 done
-echo "(latencies in µs, completion latency as fio's clat; dev µs/I/O: the device processes' CPU time per I/O completed; wakes/I/O: their threads' voluntary context switches per I/O; halts/I/O: CPU 1's entries into an idle state that stops it (a halt, on this VM) per I/O; jobs CPU%: how busy CPU 0, the jobs' CPU, was; JSON in $OUT)"
+echo "(latencies in µs, completion latency as fio's clat; dev µs/I/O: the device processes' CPU time per I/O completed; wakes/I/O: their threads' voluntary context switches per I/O; halts/I/O: CPU 1's entries into an idle state that stops it (a halt, on this VM) per I/O; jobs CPU%: how busy CPU 0, the jobs' CPU, was; steal%: how long the host kept this VM's two CPUs from running when they wanted to, in % of one CPU; JSON in $OUT)"
 python3 - "$OUT" "$N" <<'EOF'
 # The summary never fails the run: a setup that measured nothing (no I/O, no CPU time, a
 # job without a p99) gives "not measured" here and null in goals.json.

@@ -29,6 +29,15 @@ pub trait Lane: Send {
     fn unplug(&mut self) -> Result<(), String>;
     /// Append at least `min` finished I/Os to `out` (and any others already finished).
     fn wait(&mut self, min: usize, out: &mut Vec<Done>) -> Result<(), String>;
+    /// For a thread serving several lanes: get ready to sleep on this one and return the
+    /// descriptors that wake the sleeper (readable, or hung up: `POLLRDHUP`). `None`: poll
+    /// the lane rather than sleep (completions are waiting, or this kind of lane is only
+    /// ever polled). After the sleep, [`Lane::disarm`].
+    fn arm(&mut self) -> Option<[std::os::fd::RawFd; 2]> {
+        None
+    }
+    /// Back to polling after a sleep begun with [`Lane::arm`].
+    fn disarm(&mut self) {}
     /// What the lane's path did, for the report (merges, auto's choice), if anything.
     fn describe(&self) -> Option<String> {
         None
@@ -112,6 +121,14 @@ impl Lane for DriverLane {
             out.push((slot, c.result.map_err(kind_msg)));
             got += 1;
         }
+    }
+
+    fn arm(&mut self) -> Option<[std::os::fd::RawFd; 2]> {
+        self.queue.arm()
+    }
+
+    fn disarm(&mut self) {
+        self.queue.disarm();
     }
 
     fn describe(&self) -> Option<String> {

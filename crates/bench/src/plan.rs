@@ -98,6 +98,7 @@ pub fn apply_variant(
         ("spin_us", _) => {
             run.spin = Duration::from_micros(value.parse().map_err(|_| bad("not a number"))?)
         }
+        ("job_threads", _) => run.job_threads = value.parse().map_err(|_| bad("not a number"))?,
         ("engine", TargetSpec::Embedded(c)) => {
             c.engine = value
                 .parse()
@@ -159,6 +160,7 @@ pub fn apply_variant(
             *t = TargetSpec::Socket {
                 path: path.into(),
                 device_pid: pid,
+                also: Vec::new(),
             };
         }
         (
@@ -334,7 +336,11 @@ fn run_one(
     let mut run = run.clone();
     if let (true, TargetSpec::Embedded(c)) = (run.pin, &mut target) {
         let threads = c.daemon.threads.clamp(1, jobs);
-        if let Some((j, d)) = auto_pin(jobs, threads, device::config::cpu_count()) {
+        let job_threads = match run.job_threads {
+            0 => jobs,
+            t => t.min(jobs),
+        };
+        if let Some((j, d)) = auto_pin(job_threads, threads, device::config::cpu_count()) {
             run.job_cpus = j;
             c.daemon.cpus = d;
         }
@@ -619,7 +625,7 @@ mod tests {
         assert!(matches!(t, TargetSpec::Baseline { .. }));
         apply_variant("socket", "/run/a.sock@42", &mut jobs, &mut t, &mut r).unwrap();
         assert!(
-            matches!(&t, TargetSpec::Socket { path, device_pid: Some(42) } if path.to_str() == Some("/run/a.sock"))
+            matches!(&t, TargetSpec::Socket { path, device_pid: Some(42), also } if path.to_str() == Some("/run/a.sock") && also.is_empty())
         );
         assert!(apply_variant("socket", "/run/a.sock@x", &mut jobs, &mut t, &mut r).is_err());
         let mut t = TargetSpec::Baseline {

@@ -265,6 +265,18 @@ impl Cpu {
         }
     }
 
+    /// The part `part / whole` of this (a thread's CPU time shared out among the clones it
+    /// ran, by the I/Os each completed).
+    pub fn share(&self, part: u64, whole: u64) -> Cpu {
+        let f = |x: u64| (u128::from(x) * u128::from(part) / u128::from(whole.max(1))) as u64;
+        Cpu {
+            user: Duration::from_nanos(f(self.user.as_nanos() as u64)),
+            system: Duration::from_nanos(f(self.system.as_nanos() as u64)),
+            ctx_voluntary: f(self.ctx_voluntary),
+            ctx_involuntary: f(self.ctx_involuntary),
+        }
+    }
+
     /// Thread `tid` of process `pid`, from `/proc/PID/task/TID/stat` (clock-tick resolution,
     /// usually 10 ms) and `/proc/PID/task/TID/status`.
     pub fn thread(pid: i32, tid: i32) -> io::Result<Cpu> {

@@ -1,7 +1,7 @@
 //! What a benchmark runs against: an embedded vblk device in this process, any
 //! vhost-user-blk socket, or (`--baseline`) the disk straight through a storage engine.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -48,6 +48,9 @@ pub enum TargetSpec {
         path: PathBuf,
         /// The device's process, for CPU accounting.
         device_pid: Option<i32>,
+        /// More devices (`--socket` given several times): the job's clones are spread over
+        /// `path` and these, clone i on the (i mod n)-th, each with a queue of its own.
+        also: Vec<PathBuf>,
     },
     /// No virtio: the job threads drive a storage engine on the disk directly.
     Baseline {
@@ -216,9 +219,18 @@ impl Target {
                     String::new()
                 }
             ),
-            TargetSpec::Socket { path, .. } => {
+            TargetSpec::Socket { path, also, .. } if also.is_empty() => {
                 format!("vhost-user-blk device at {}", path.display())
             }
+            TargetSpec::Socket { path, also, .. } => format!(
+                "{} vhost-user-blk devices at {}, {}",
+                also.len() + 1,
+                path.display(),
+                also.iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
             TargetSpec::Baseline {
                 disk,
                 engine,
@@ -295,40 +307,97 @@ impl Target {
             return Ok((lanes, geo));
         }
         let socket = self.socket.as_ref().ok_or("target has no socket")?;
-        let pool = n * depth * max_block.next_multiple_of(4096) + (8 << 20);
-        let opts = DiskOptions {
-            num_queues: Some(n as u16),
-            queue_size: attach.queue_size,
-            pool_size: pool,
-            queue: QueueOptions {
-                path: attach.path,
-                batch: attach.batch,
-                spin: attach.spin,
-                request: attach.request,
-            },
-            ..Default::default()
-        };
-        let disk = Disk::attach(socket, &opts).map_err(|e| format!("{}: {e}", socket.display()))?;
-        let info = disk.info().clone();
-        let lanes = disk
-            .take_queues()
-            .into_iter()
-            .map(|q| -> Result<Box<dyn Lane>, String> {
-                if attach.path == PathKind::Passthru {
-                    Ok(Box::new(PassthruLane::new(q, depth, max_block)?))
-                } else {
-                    Ok(Box::new(DriverLane::new(q, depth, max_block, attach.fua)?))
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok((
-            lanes,
-            Geometry {
-                capacity: info.capacity_bytes,
-                block: u64::from(info.logical_block_size),
-            },
-        ))
+        let mut sockets = vec![socket.as_path()];
+        if let TargetSpec::Socket { also, .. } = &self.spec {
+            sockets.extend(also.iter().map(PathBuf::as_path));
+        }
+        if sockets.len() > 1 {
+            return self.lanes_across(&sockets, n, depth, max_block, attach);
+        }
+        attach_lanes(socket, n, depth, max_block, attach)
     }
+
+    /// `n` lanes spread over several devices, lane i on `sockets[i % len]`; the geometry
+    /// is the smallest device's, at the largest block size.
+    fn lanes_across(
+        &self,
+        sockets: &[&Path],
+        n: usize,
+        depth: usize,
+        max_block: usize,
+        attach: AttachOptions,
+    ) -> Result<(Vec<Box<dyn Lane>>, Geometry), String> {
+        let mut per: Vec<std::collections::VecDeque<Box<dyn Lane>>> = Vec::new();
+        let mut geo: Option<Geometry> = None;
+        for (k, s) in sockets.iter().enumerate() {
+            // Lanes k, k + len, k + 2 len, ... are this device's.
+            let count = (n + sockets.len() - 1 - k) / sockets.len();
+            if count == 0 {
+                return Err(format!(
+                    "{} sockets but {n} clone(s): every device needs a clone (numjobs={})",
+                    sockets.len(),
+                    sockets.len()
+                ));
+            }
+            let (lanes, g) = attach_lanes(s, count, depth, max_block, attach)?;
+            geo = Some(geo.map_or(g, |o| Geometry {
+                capacity: o.capacity.min(g.capacity),
+                block: o.block.max(g.block),
+            }));
+            per.push(lanes.into());
+        }
+        let lanes = (0..n)
+            .map(|i| {
+                per[i % sockets.len()]
+                    .pop_front()
+                    .expect("a lane per clone")
+            })
+            .collect();
+        Ok((lanes, geo.expect("at least one socket")))
+    }
+}
+
+/// Attach to the device at `socket` with `n` queues and make a lane of each.
+fn attach_lanes(
+    socket: &Path,
+    n: usize,
+    depth: usize,
+    max_block: usize,
+    attach: AttachOptions,
+) -> Result<(Vec<Box<dyn Lane>>, Geometry), String> {
+    let pool = n * depth * max_block.next_multiple_of(4096) + (8 << 20);
+    let opts = DiskOptions {
+        num_queues: Some(n as u16),
+        queue_size: attach.queue_size,
+        pool_size: pool,
+        queue: QueueOptions {
+            path: attach.path,
+            batch: attach.batch,
+            spin: attach.spin,
+            request: attach.request,
+        },
+        ..Default::default()
+    };
+    let disk = Disk::attach(socket, &opts).map_err(|e| format!("{}: {e}", socket.display()))?;
+    let info = disk.info().clone();
+    let lanes = disk
+        .take_queues()
+        .into_iter()
+        .map(|q| -> Result<Box<dyn Lane>, String> {
+            if attach.path == PathKind::Passthru {
+                Ok(Box::new(PassthruLane::new(q, depth, max_block)?))
+            } else {
+                Ok(Box::new(DriverLane::new(q, depth, max_block, attach.fua)?))
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((
+        lanes,
+        Geometry {
+            capacity: info.capacity_bytes,
+            block: u64::from(info.logical_block_size),
+        },
+    ))
 }
 
 /// An engine's name, with its pool size for `threads`: `threads (16 per worker)`.

@@ -322,6 +322,34 @@ impl Queue {
         }
     }
 
+    /// For a thread that serves several queues and sleeps on all of them at once (as
+    /// `vblk bench --job-threads` does): get ready to sleep on this queue outside it. Sends
+    /// whatever is staged, asks the device to signal the call eventfd on its next
+    /// completion and returns the descriptors to wait on with `poll(2)` or epoll: the call
+    /// eventfd (readable: a completion may be waiting) and the device's socket (hung up:
+    /// the device left; wait for `POLLRDHUP`). `None`: do not sleep, [`Queue::poll`] this
+    /// queue now (completions are already waiting, staged I/Os just went to the ring, or
+    /// the device is gone). After the sleep, whatever woke it, call [`Queue::disarm`]
+    /// before polling again: a queue left armed costs the device a signal per completion.
+    pub fn arm(&mut self) -> Option<[std::os::fd::RawFd; 2]> {
+        if !self.core.table.ready.is_empty() {
+            return None;
+        }
+        if self.core.requests == 0 && self.core.table.in_flight > 0 {
+            // Held by the path (plugged, in the elevator) or parked behind a flush.
+            self.unplug();
+            return None;
+        }
+        self.core.arm().then(|| self.core.wake_fds())
+    }
+
+    /// After a sleep begun with [`Queue::arm`]: back to polling (the device no longer
+    /// signals), the call eventfd cleared, and, if the device hung up, every I/O in flight
+    /// completed with [`ErrorKind::Disconnected`]. One `poll(2)` with no timeout.
+    pub fn disarm(&mut self) {
+        self.core.disarm();
+    }
+
     // ---- blocking convenience API ----
 
     fn run_sync(&mut self, submitted: Result<(), SubmitError>) -> Result<Completion, Error> {

@@ -107,10 +107,14 @@ pub struct BenchArgs {
     #[arg(long, value_name = "R[,W]")]
     pub rate: Option<String>,
 
-    /// A vhost-user-blk device to run against instead of the embedded one.
+    /// A vhost-user-blk device to run against instead of the embedded one. Repeat it to
+    /// drive several devices at once: each job's clones are spread over them (clone i on
+    /// the (i mod n)-th socket, a queue each), so --numjobs must be at least the number of
+    /// sockets: `--socket a.sock --socket b.sock --numjobs 2`.
     #[arg(long, value_name = "PATH", conflicts_with = "baseline")]
-    pub socket: Option<PathBuf>,
-    /// The external device's process, to measure its CPU.
+    pub socket: Vec<PathBuf>,
+    /// The external device's process, to measure its CPU (with several sockets: the one
+    /// process serving them all).
     #[arg(long, value_name = "PID", requires = "socket")]
     pub device_pid: Option<i32>,
     /// Run the job on the disk through the engine (--engine) with no virtio in between.
@@ -247,6 +251,16 @@ pub struct BenchArgs {
     /// How long the driver spins on the used ring before sleeping, µs.
     #[arg(long, value_name = "US", default_value_t = 50)]
     pub spin_us: u64,
+    /// Run each job's clones on this many threads, clone i on thread i mod N (default: a
+    /// thread per clone). A thread with several clones serves them in one loop: it fills
+    /// every clone's queue, polls them all, spins for --spin-us while I/O is in flight and
+    /// then sleeps on all of their completions at once, as one vCPU or one SPDK reactor
+    /// serves several disks. With --numjobs 16 --job-threads 1, sixteen paced clones cost
+    /// one thread's wake-ups, not sixteen threads' context switches. Each clone keeps its
+    /// own pace, depth and latency figures; the thread's CPU time is shared out among its
+    /// clones by the I/Os each completed.
+    #[arg(long, value_name = "N")]
+    pub job_threads: Option<usize>,
     /// Run each job once per value of an option (any job or bench option), e.g.
     /// path=bio,batch or engine=io_uring,aio,threads,sync or engine_threads=4,16 or
     /// target=embedded,baseline or socket=/run/a.sock@PID,/run/b.sock@PID (devices side by
@@ -395,10 +409,11 @@ impl TryFrom<&BenchArgs> for Plan {
                 );
             }
         }
-        let target = if let Some(path) = &a.socket {
+        let target = if let Some((path, also)) = a.socket.split_first() {
             TargetSpec::Socket {
                 path: path.clone(),
                 device_pid: a.device_pid,
+                also: also.to_vec(),
             }
         } else if a.baseline {
             TargetSpec::Baseline {
@@ -457,6 +472,11 @@ impl TryFrom<&BenchArgs> for Plan {
             seed: a.seed,
             pin: !a.no_pin,
             job_cpus: Vec::new(),
+            job_threads: match a.job_threads {
+                Some(0) => return Err("--job-threads 0: must be at least 1".into()),
+                Some(n) => n,
+                None => 0,
+            },
             request,
         };
         let compare = match (&a.compare, a.is_default_run()) {

@@ -555,3 +555,163 @@ fn a_job_files_direct_means_o_direct_unless_cache_says_otherwise() {
         }
     }
 }
+
+/// The zero-filled files of `n` disks served by one `vblk serve`, each on its own socket.
+fn many_disks(dir: &Path, n: usize, mb: u64) -> (Daemon, Vec<PathBuf>, Vec<PathBuf>) {
+    let mut args = vec!["--threads".to_string(), "1".into()];
+    let (mut imgs, mut socks) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let img = dir.join(format!("d{i}.img"));
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(mb << 20)
+            .unwrap();
+        let sock = dir.join(format!("d{i}.sock"));
+        args.extend([
+            "--disk".into(),
+            format!("socket={},file={}", sock.display(), img.display()),
+        ]);
+        imgs.push(img);
+        socks.push(sock);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let d = Daemon::start_vblk("vblk", &args, &socks[n - 1], &dir.join("vblk.log"));
+    (d, imgs, socks)
+}
+
+/// `--socket` given three times and `--job-threads 1`: six verified clones on one thread,
+/// clone i on disk i mod 3 and in sixth i of the region. Every clone measures and
+/// verifies its own I/O, and each disk holds written data exactly in its own clones'
+/// sixths (so the clones went where they were sent, and nowhere else).
+#[test]
+fn one_thread_drives_clones_on_several_devices() {
+    let dir = temp_dir("bench-shared");
+    let (_d, imgs, socks) = many_disks(dir.path(), 3, 12);
+    let mut args = vec![
+        "--rw=randrw",
+        "--bs=4k",
+        "--iodepth=4",
+        "--numjobs=6",
+        "--job-threads=1",
+        "--runtime=1",
+        "--time_based",
+        "--verify=crc32c",
+    ];
+    for s in &socks {
+        args.extend(["--socket", s.to_str().unwrap()]);
+    }
+    let v = bench_json(&args);
+    let jobs = v["jobs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 6, "{}", v["vblk"]);
+    for (i, j) in jobs.iter().enumerate() {
+        assert_eq!(j["vblk"]["clone"], i as u64);
+        let ios =
+            j["read"]["total_ios"].as_u64().unwrap() + j["write"]["total_ios"].as_u64().unwrap();
+        assert!(ios > 0, "clone {i} did no I/O: {j}");
+        assert!(
+            j["vblk"]["verified_sectors"].as_u64().unwrap() > 0,
+            "clone {i} verified nothing"
+        );
+    }
+    let notes = v["vblk"]["notes"].to_string();
+    assert!(notes.contains("6 clones on 1 thread(s)"), "notes: {notes}");
+    let sixth = (12u64 << 20) / 6;
+    for (k, img) in imgs.iter().enumerate() {
+        let data = std::fs::read(img).unwrap();
+        for i in 0..6 {
+            let part = &data[(i * sixth) as usize..((i + 1) * sixth) as usize];
+            let written = part.iter().any(|&b| b != 0);
+            assert_eq!(
+                written,
+                i as usize % 3 == k,
+                "disk {k}, sixth {i} (clone {i}): written {written}"
+            );
+        }
+    }
+}
+
+/// Four clones paced at 400 IOPS each on one thread keep their pace, each of them: a
+/// thread that served one clone before the others, or slept past another's due time,
+/// would leave some behind. (The lower bound leaves room for a loaded test machine that
+/// keeps the thread off its CPU now and then; a starved clone falls far below it.)
+#[test]
+fn one_thread_keeps_each_clones_pace() {
+    let dir = temp_dir("bench-shared-pace");
+    let (_d, _imgs, socks) = many_disks(dir.path(), 2, 8);
+    let v = bench_json(&[
+        "--rw=randread",
+        "--bs=4k",
+        "--iodepth=2",
+        "--numjobs=4",
+        "--job-threads=1",
+        "--rate_iops=400",
+        "--runtime=2",
+        "--time_based",
+        "--ramp_time=200ms",
+        "--socket",
+        socks[0].to_str().unwrap(),
+        "--socket",
+        socks[1].to_str().unwrap(),
+    ]);
+    for j in v["jobs"].as_array().unwrap() {
+        let iops = j["read"]["iops"].as_f64().unwrap();
+        assert!(
+            (340.0..=440.0).contains(&iops),
+            "clone {}: {iops:.0} IOPS for 400 offered",
+            j["vblk"]["clone"]
+        );
+    }
+}
+
+/// A device killed while the thread sleeps on it and another device: the job fails with
+/// the disconnection, promptly, instead of sleeping forever on the dead device's eventfd.
+#[test]
+fn one_thread_fails_promptly_when_a_device_dies() {
+    let dir = temp_dir("bench-shared-kill");
+    let (mut d, _imgs, socks) = many_disks(dir.path(), 1, 8);
+    let other_dir = dir.path().join("b");
+    std::fs::create_dir(&other_dir).unwrap();
+    let other = many_disks(&other_dir, 1, 8);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vblk"))
+        .args([
+            "--log-level",
+            "warn",
+            "bench",
+            "--rw=randread",
+            "--iodepth=1",
+        ])
+        .args([
+            "--numjobs=2",
+            "--job-threads=1",
+            "--rate_iops=50",
+            "--runtime=60",
+            "--time_based",
+        ])
+        .args(["--socket", socks[0].to_str().unwrap()])
+        .args(["--socket", other.2[0].to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert!(child.try_wait().unwrap().is_none(), "bench ended early");
+    d.kill();
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > std::time::Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("bench still running 20 s after its device was killed");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let out = child.wait_with_output().unwrap();
+    let (_, text) = outcome(&out);
+    assert!(!status.success(), "bench succeeded: {text}");
+    assert!(
+        text.to_lowercase().contains("disconnect"),
+        "no disconnection named: {text}"
+    );
+}

@@ -96,6 +96,20 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
         .to_string(),
     )
     .unwrap();
+    // The same table driven by one client thread (`bench/sharing.sh ... thread`).
+    std::fs::create_dir(dir.path().join("sharing-thread-json")).unwrap();
+    std::fs::write(
+        dir.path().join("sharing-thread-json/goals.json"),
+        serde_json::json!({
+            "cpu_per_io_us": {"vblk-1x16": 1.5, "vblk-16x1": 6.0, "qsd-1x16": 3.0},
+            "cpu_vs_16x1": 0.25,
+            "cpu_vs_qsd": 0.5,
+            "tail_vs_own": {"ratio": 0.5, "disk": 7, "shared_us": 80.0, "own_us": 160.0},
+            "tail_vs_alone": {"ratio": 2.5, "worst_us": 250.0, "alone_us": 100.0},
+        })
+        .to_string(),
+    )
+    .unwrap();
     std::fs::write(
         dir.path().join("qos.txt"),
         "limit job configured measured unit error\n\
@@ -152,19 +166,48 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
             .unwrap_or_else(|| panic!("no row {start:?} in {md}"))
             .to_string()
     };
-    let r = row("| 16 disks at 5 k IOPS: device µs CPU per I/O, one daemon vs 16 daemons");
+    let jobs = "(16 jobs, a process each, on CPU 0)";
+    let r = row(&format!(
+        "| 16 disks at 5 k IOPS {jobs}: device µs CPU per I/O, one daemon vs 16 daemons"
+    ));
     assert!(r.contains("4.50 vs 5.00 | 0.90× | ≤ 0.5× | **no**"), "{r}");
-    let r = row("| 16 disks: device µs CPU per I/O, one daemon vs qsd");
+    let r = row(&format!(
+        "| 16 disks {jobs}: device µs CPU per I/O, one daemon vs qsd"
+    ));
     assert!(r.contains("0.50× | ≤ 1× | yes"), "{r}");
-    let r = row("| 16 disks: p99 of the disk it grows most for");
+    let r = row(&format!(
+        "| 16 disks {jobs}: p99 of the disk it grows most for"
+    ));
     assert!(
         r.contains("disk 3: 25.0 vs 20.0 µs | 1.25× | ≤ 2× | yes"),
         "{r}"
     );
     // A figure the run could not measure says so.
-    let r = row("| 16 disks: worst disk's p99 in one daemon vs one disk and one job alone");
+    let r = row(&format!(
+        "| 16 disks {jobs}: worst disk's p99 in one daemon vs one disk alone"
+    ));
     assert!(
         r.contains("not measured in this run (bench/sharing.sh) | – | ≤ 2× | – |"),
+        "{r}"
+    );
+    // The one-thread client's rows, each judged on its own figures.
+    let one = "(one client thread drives all 16)";
+    let r = row(&format!(
+        "| 16 disks at 5 k IOPS {one}: device µs CPU per I/O, one daemon vs 16 daemons"
+    ));
+    assert!(r.contains("1.50 vs 6.00 | 0.25× | ≤ 0.5× | yes"), "{r}");
+    let r = row(&format!(
+        "| 16 disks {one}: p99 of the disk it grows most for"
+    ));
+    assert!(
+        r.contains("disk 7: 80.0 vs 160.0 µs | 0.50× | ≤ 2× | yes"),
+        "{r}"
+    );
+    let r = row(&format!(
+        "| 16 disks {one}: worst disk's p99 in one daemon vs one disk alone"
+    ));
+    assert!(
+        r.contains("250.0 vs 100.0 µs | 2.50× | ≤ 2× | **no**"),
         "{r}"
     );
     let r = row("| QoS: configured vs measured, 2 limits");

@@ -137,6 +137,15 @@ impl Core {
             return Ok(());
         }
         let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
+        let r = self.wait_wake_fds(ms);
+        self.ring.disable_interrupts();
+        r
+    }
+
+    /// `poll(2)` the call eventfd and the device socket for up to `ms` (-1: no limit);
+    /// then clear the eventfd if it was signalled and fail everything if the socket hung
+    /// up. An interrupted poll is Ok: the caller checks again.
+    fn wait_wake_fds(&mut self, ms: i32) -> Result<(), Error> {
         let mut fds = [
             libc::pollfd {
                 fd: self.call.as_raw_fd(),
@@ -151,7 +160,6 @@ impl Core {
         ];
         // SAFETY: fds is a valid array of two pollfd structs for the duration of the call.
         let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
-        self.ring.disable_interrupts();
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
@@ -167,6 +175,34 @@ impl Core {
             self.fail_all(ErrorKind::Disconnected);
         }
         Ok(())
+    }
+
+    /// For a sleep outside the queue: arm the call eventfd. False when the caller must
+    /// not sleep on this queue (completions are already waiting, or the device is gone).
+    pub(crate) fn arm(&mut self) -> bool {
+        if self.dead {
+            return false;
+        }
+        if self.ring.enable_interrupts() {
+            self.ring.disable_interrupts();
+            return false;
+        }
+        true
+    }
+
+    /// The call eventfd and the device socket, for [`Core::arm`]'s caller to sleep on.
+    pub(crate) fn wake_fds(&self) -> [std::os::fd::RawFd; 2] {
+        [self.call.as_raw_fd(), self.shared.sock_fd]
+    }
+
+    /// After a sleep outside the queue: back to polling, clear the call eventfd if it was
+    /// signalled, and fail everything if the device hung up (a poll that does not wait;
+    /// an error of it leaves the next poll of the ring and its liveness check to tell).
+    pub(crate) fn disarm(&mut self) {
+        self.ring.disable_interrupts();
+        if !self.dead {
+            let _ = self.wait_wake_fds(0);
+        }
     }
 
     /// Whether the device's end of the socket is closed.
