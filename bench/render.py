@@ -94,8 +94,13 @@ SECTIONS = [
         "crates/storage/src/hdd.rs, and tells the driver it is rotational: `auto` then "
         "takes the request path at depth 2 without trials. `hdd:1G:norot` hides that, "
         "as most virtual disks over a hard disk do: `auto` has to find it by measuring. "
-        "The model is deterministic: one run per variant. The norot tables' ramp covers "
-        "auto's first choice (about 1 s sequential, 12 s random).",
+        "Random rows: one run per variant (every I/O pays a seek, so the model's time "
+        "hardly depends on timing). Sequential rows: as many runs per variant as the run's "
+        "other tables, taking turns, because how many 4 KiB I/Os merge into one request "
+        "depends on how many wait in the elevator when the disk finishes one, which depends "
+        "on the threads' timing: one run of a variant differs from the next by up to a "
+        "third. `auto`'s goal is its paired ratio to the best variant. The norot tables' "
+        "ramp covers auto's first choice (about 1 s sequential, 12 s random).",
         ["hdd-read", "hdd-write", "hdd-randread", "hdd-randwrite", "norot-read", "norot-write",
          "norot-randread", "norot-randwrite"],
     ),
@@ -424,17 +429,22 @@ def goal_rows(tables):
             missing(f"null disk, {rate} IOPS offered: device CPU per I/O", "≤ 0.5", [tid])
     worst = None
     seen = []
+    verdicts = []
     for tid in ("norot-read", "norot-write", "norot-randread", "norot-randwrite"):
         vs = [V(x) for x in tables.get(tid, [])]
         auto = [x for x in vs if x.name == "path=auto"]
         others = [x for x in vs if x.name != "path=auto"]
         if auto and others:
-            frac = auto[0].iops / max(o.iops for o in others)
-            seen.append(f"{tid.split('-')[1]} {frac:.2f}")
-            worst = frac if worst is None else min(worst, frac)
+            p = Paired(auto[0], fastest(*others))
+            seen.append(f"{tid.split('-')[1]} {p.text()}")
+            verdicts.append(p.verdict(0.95))
+            worst = p if worst is None or p.ratio < worst.ratio else worst
     if worst is not None:
+        met = (False if False in verdicts
+               else "within noise" if "within noise" in verdicts else True)
         row("`auto` on `hdd:1G:norot` (no rotational hint): auto / best of bio, batch, request "
-            "at any depth", ", ".join(seen), f"{worst:.2f}", "≥ 0.95", worst >= 0.95)
+            "at any depth, paired by round", "; ".join(seen), f"{worst.ratio:.2f}", "≥ 0.95",
+            met)
     else:
         missing("`auto` on `hdd:1G:norot`", "≥ 0.95", ["norot-*"])
     # Issue 22's goals on a fully allocated image, reads and (over a copy each) writes.

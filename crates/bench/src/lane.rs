@@ -7,6 +7,7 @@
 //! between (`--baseline`), so the cost of the virtual path is a measured ratio.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use driver::{Buffer, Cmd, Cqe, Data, ErrorKind, Io, Passthru, PassthruOptions, Queue};
 use proto::wire::req_type;
@@ -27,8 +28,10 @@ pub trait Lane: Send {
     fn submit(&mut self, slot: usize, dir: IoDir, offset: u64, len: u64) -> Result<(), String>;
     /// Make everything submitted reach the device (publish + notify, or the engine's submit).
     fn unplug(&mut self) -> Result<(), String>;
-    /// Append at least `min` finished I/Os to `out` (and any others already finished).
-    fn wait(&mut self, min: usize, out: &mut Vec<Done>) -> Result<(), String>;
+    /// Append at least `min` finished I/Os to `out` (and any others already finished). An
+    /// error when none finishes within `limit` while some are in flight: the device holds
+    /// them, and the job must not wait forever on it (`--io-timeout`).
+    fn wait(&mut self, min: usize, out: &mut Vec<Done>, limit: Duration) -> Result<(), String>;
     /// For a thread serving several lanes: get ready to sleep on this one and return the
     /// descriptors that wake the sleeper (readable, or hung up: `POLLRDHUP`). `None`: poll
     /// the lane rather than sleep (completions are waiting, or this kind of lane is only
@@ -103,7 +106,7 @@ impl Lane for DriverLane {
         Ok(())
     }
 
-    fn wait(&mut self, min: usize, out: &mut Vec<Done>) -> Result<(), String> {
+    fn wait(&mut self, min: usize, out: &mut Vec<Done>, limit: Duration) -> Result<(), String> {
         let mut got = 0;
         loop {
             while let Some(c) = self.queue.poll() {
@@ -115,7 +118,11 @@ impl Lane for DriverLane {
             if got >= min || self.queue.in_flight() == 0 {
                 return Ok(());
             }
-            let c = self.queue.wait(None).map_err(|e| e.to_string())?;
+            let in_flight = self.queue.in_flight();
+            let c = self.queue.wait(Some(limit)).map_err(|e| match e.kind() {
+                ErrorKind::Timeout => stalled(limit, in_flight),
+                _ => e.to_string(),
+            })?;
             let slot = c.token as usize;
             self.bufs[slot] = c.bufs.into_one();
             out.push((slot, c.result.map_err(kind_msg)));
@@ -239,17 +246,21 @@ impl Lane for PassthruLane {
         self.pt.submit().map(drop).map_err(|e| e.to_string())
     }
 
-    fn wait(&mut self, min: usize, out: &mut Vec<Done>) -> Result<(), String> {
+    fn wait(&mut self, min: usize, out: &mut Vec<Done>, limit: Duration) -> Result<(), String> {
         let mut got = 0;
         loop {
             if self.pt.queued() > 0 {
                 self.pt.submit().map_err(|e| e.to_string())?;
             }
             let want = min.saturating_sub(got).min(self.pt.in_flight());
+            let in_flight = self.pt.in_flight();
             let n = self
                 .pt
-                .wait(want, &mut self.cqes)
-                .map_err(|e| e.to_string())?;
+                .wait(want, &mut self.cqes, Some(limit))
+                .map_err(|e| match e.kind() {
+                    ErrorKind::Timeout => stalled(limit, in_flight),
+                    _ => e.to_string(),
+                })?;
             for c in &self.cqes[..n] {
                 let r = match c.status {
                     Ok(0) => Ok(()),
@@ -388,8 +399,9 @@ impl Lane for EngineLane {
         Ok(())
     }
 
-    fn wait(&mut self, min: usize, out: &mut Vec<Done>) -> Result<(), String> {
+    fn wait(&mut self, min: usize, out: &mut Vec<Done>, limit: Duration) -> Result<(), String> {
         let mut got = 0;
+        let mut timed_out = false;
         loop {
             let n = self.engine.reap(&mut |c| {
                 out.push((
@@ -402,7 +414,15 @@ impl Lane for EngineLane {
             if got >= min || self.in_flight == 0 {
                 return Ok(());
             }
-            self.engine.wait().map_err(|e| e.to_string())?;
+            if timed_out && n == 0 {
+                return Err(stalled(limit, self.in_flight));
+            }
+            match self.engine.notify_fd() {
+                // Sleep on the engine's completion descriptor, `limit` at most; then one
+                // more reap decides.
+                Some(fd) => timed_out = !readable_within(fd, limit)?,
+                None => self.engine.wait().map_err(|e| e.to_string())?,
+            }
         }
     }
 }
@@ -418,6 +438,34 @@ impl Drop for EngineLane {
             }
         }
     }
+}
+
+/// The error of a lane whose device held its I/O for `limit`.
+fn stalled(limit: Duration, in_flight: usize) -> String {
+    format!(
+        "no I/O completed for {:.1} s with {in_flight} in flight: the device holds them (a stalled or stopped device; --io-timeout sets how long to wait)",
+        limit.as_secs_f64()
+    )
+}
+
+/// Whether `fd` becomes readable within `limit`.
+fn readable_within(fd: std::os::fd::RawFd, limit: Duration) -> Result<bool, String> {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = limit.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: p is one valid, writable pollfd for the duration of the call.
+    let r = unsafe { libc::poll(&mut p, 1, ms) };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(true);
+        }
+        return Err(format!("poll: {e}"));
+    }
+    Ok(r > 0)
 }
 
 /// `,queue_depth=N` when auto's request path dispatches at another depth than the one

@@ -375,6 +375,7 @@ fn attach_lanes(
             batch: attach.batch,
             spin: attach.spin,
             request: attach.request,
+            ..Default::default()
         },
         ..Default::default()
     };

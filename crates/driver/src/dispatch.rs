@@ -12,7 +12,7 @@ mod completion;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use proto::wire::{req_type, DiscardSegment, RequestHeader, HEADER_LEN, ID_BYTES};
 use vmm_sys_util::eventfd::EventFd;
@@ -53,6 +53,8 @@ pub(crate) struct Core {
     /// Scratch for the segments of the request being built (no allocation per request).
     segs: Vec<Seg>,
     pub spin: Duration,
+    /// How long a submission waits for room on a full ring.
+    pub room_wait: Duration,
     pub dead: bool,
     idle_polls: u32,
     /// Virtio requests on the ring.
@@ -73,6 +75,7 @@ impl Core {
         kick: EventFd,
         call: EventFd,
         spin: Duration,
+        room_wait: Duration,
     ) -> Core {
         let max_segs = ring.max_segs();
         let seg_max = (limits.seg_max as usize).max(1);
@@ -89,6 +92,7 @@ impl Core {
             call,
             segs: Vec::with_capacity(max_segs + 4),
             spin,
+            room_wait,
             dead: false,
             idle_polls: 0,
             requests: 0,
@@ -551,13 +555,26 @@ impl Core {
                 ),
             ));
         }
+        let deadline = Instant::now() + self.room_wait;
         while self.ring.num_free() < need {
             if self.dead {
                 break;
             }
             self.publish();
             if self.reap() == 0 {
-                self.block(None)?;
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "the ring had no room for {} s: {need} descriptors needed, {} free, {} requests held by the device (QueueOptions::room_wait)",
+                            self.room_wait.as_secs_f64(),
+                            self.ring.num_free(),
+                            self.requests
+                        ),
+                    ));
+                }
+                self.block(Some(left))?;
             }
         }
         // A disconnection while waiting fails everything in flight and frees every

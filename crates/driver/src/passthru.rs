@@ -22,7 +22,7 @@
 //!   it reach; the device checks every request (bounds, read-only, segment limits) whoever
 //!   sends it. A raw command is no more powerful than the same bytes written by a guest.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::dispatch::Core;
 use crate::error::{Error, ErrorKind};
@@ -334,14 +334,40 @@ impl Passthru {
     }
 
     /// Reap at least `min` completions into `out` (at most `out.len()`), polling (or, when
-    /// not polled, sleeping on the device's interrupt after a short spin).
-    pub fn wait(&mut self, min: usize, out: &mut [Cqe]) -> Result<usize, Error> {
+    /// not polled, sleeping on the device's interrupt after a short spin). With a
+    /// `timeout`, return what was reaped when it passes, or a [`ErrorKind::Timeout`]
+    /// error if that is nothing (a device that holds its requests); `None` waits without
+    /// limit.
+    pub fn wait(
+        &mut self,
+        min: usize,
+        out: &mut [Cqe],
+        timeout: Option<Duration>,
+    ) -> Result<usize, Error> {
         let min = min.min(out.len()).min(self.in_flight);
+        let deadline = timeout.map(|t| Instant::now() + t);
         let mut n = 0;
+        let mut spins = 0u32;
         loop {
             n += self.reap(&mut out[n..]);
             if n >= min {
                 return Ok(n);
+            }
+            // A clock read every 1024 empty polls: the deadline is seconds, a poll 0.1 µs.
+            spins = spins.wrapping_add(1);
+            if let Some(d) = deadline.filter(|_| !self.polled || spins.is_multiple_of(1024)) {
+                if Instant::now() >= d {
+                    if n > 0 {
+                        return Ok(n);
+                    }
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "no completion within {timeout:?} with {} command(s) in flight",
+                            self.in_flight
+                        ),
+                    ));
+                }
             }
             if self.core.dead && self.failed.is_empty() {
                 if n > 0 {
@@ -352,7 +378,11 @@ impl Passthru {
             if self.polled {
                 std::hint::spin_loop();
             } else {
-                self.core.block(Some(Duration::from_millis(100)))?;
+                let left = deadline.map_or(Duration::from_millis(100), |d| {
+                    d.saturating_duration_since(Instant::now())
+                        .min(Duration::from_millis(100))
+                });
+                self.core.block(Some(left))?;
             }
         }
     }

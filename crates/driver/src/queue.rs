@@ -36,6 +36,11 @@ pub struct QueueOptions {
     pub spin: Duration,
     /// The request path's plug, merging and elevator (also used by `auto`).
     pub request: RequestOptions,
+    /// How long a submission waits for room when the ring is full (a request needs more
+    /// descriptors than are free: without indirect descriptors, a ring fills before the
+    /// in-flight table does) before it fails with [`crate::ErrorKind::Timeout`]: a device
+    /// that holds its requests must not hold the submitting thread forever.
+    pub room_wait: Duration,
 }
 
 impl Default for QueueOptions {
@@ -45,6 +50,7 @@ impl Default for QueueOptions {
             batch: 16,
             spin: Duration::from_micros(50),
             request: RequestOptions::default(),
+            room_wait: Duration::from_secs(30),
         }
     }
 }
@@ -91,7 +97,16 @@ impl Queue {
         rotational: bool,
     ) -> Queue {
         let size = ring.size();
-        let core = Core::new(shared, limits, index, ring, kick, call, opts.spin);
+        let core = Core::new(
+            shared,
+            limits,
+            index,
+            ring,
+            kick,
+            call,
+            opts.spin,
+            opts.room_wait,
+        );
         let path = match opts.path {
             PathKind::Bio | PathKind::Passthru => PathState::Bio,
             PathKind::Batch => PathState::Batch(opts.batch.max(1)),

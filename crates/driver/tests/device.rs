@@ -258,6 +258,53 @@ fn full_ring_backpressure_waits_instead_of_failing() {
     assert!(got.iter().all(|&b| b == (499 % 256) as u8));
 }
 
+/// A full ring whose device holds its requests (every operation held 60 s) does not hold
+/// the submitter forever: after `room_wait` the submission fails with a timeout naming the
+/// numbers, and hands its buffer back. (It waited without limit before.)
+#[test]
+fn full_ring_wait_for_room_has_a_deadline() {
+    let (_d, sock) = start(DeviceConfig {
+        delay: Some(storage::Delay {
+            every: 1,
+            by: Duration::from_secs(60),
+            hold: storage::Hold::Operation,
+        }),
+        ..mem_device(1)
+    });
+    let opts = DiskOptions {
+        queue_size: 8,
+        indirect: false,
+        queue: QueueOptions {
+            room_wait: Duration::from_secs(1),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let disk = Disk::attach(&sock, &opts).unwrap();
+    let mut q = disk.take_queue(0).unwrap();
+    // Three descriptors a request without indirect ones: the ring of 8 holds two.
+    for i in 0..2u64 {
+        q.write(i * 4096, q.alloc(4096).unwrap(), i).unwrap();
+    }
+    let t0 = std::time::Instant::now();
+    let e = q.write(2 * 4096, q.alloc(4096).unwrap(), 2).unwrap_err();
+    let waited = t0.elapsed();
+    assert_eq!(e.error.kind(), ErrorKind::Timeout, "{}", e.error);
+    assert!(
+        e.error
+            .to_string()
+            .contains("no room for 1 s: 3 descriptors needed, 2 free"),
+        "{}",
+        e.error
+    );
+    assert_eq!(e.bufs.into_one().map(|b| b.len()), Some(4096));
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(10),
+        "failed after {waited:?}"
+    );
+    assert_eq!(q.in_flight(), 2, "the two held writes are still in flight");
+}
+
 #[test]
 fn discard_write_zeroes_and_flush() {
     let (_d, sock) = start(mem_device(1));

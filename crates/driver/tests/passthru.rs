@@ -54,7 +54,7 @@ fn data(buf: u16, len: u32, from_device: bool) -> Option<Data> {
 fn run(pt: &mut Passthru, n: usize) -> Vec<Cqe> {
     assert_eq!(pt.submit().unwrap(), n);
     let mut out = vec![EMPTY; n];
-    let got = pt.wait(n, &mut out).unwrap();
+    let got = pt.wait(n, &mut out, None).unwrap();
     assert_eq!(got, n);
     out.sort_by_key(|c| c.user_data);
     out
@@ -159,7 +159,7 @@ fn bad_commands_are_refused_before_the_ring_with_the_numbers() {
     let mut out = vec![EMPTY; n];
     let mut got = 0;
     while got < n {
-        got += pt.wait(1, &mut out[got..]).unwrap();
+        got += pt.wait(1, &mut out[got..], None).unwrap();
     }
     assert!(out.iter().all(|c| c.status == Ok(status::OK)));
 }

@@ -261,6 +261,11 @@ pub struct BenchArgs {
     /// clones by the I/Os each completed.
     #[arg(long, value_name = "N")]
     pub job_threads: Option<usize>,
+    /// Fail the job when no I/O completes for this long while some are in flight, naming
+    /// what is held: a stopped, hung or lost device ends the run with an error rather than
+    /// hanging it. Seconds, fractions allowed.
+    #[arg(long, value_name = "SECS", default_value = "30")]
+    pub io_timeout: f64,
     /// Run each job once per value of an option (any job or bench option), e.g.
     /// path=bio,batch or engine=io_uring,aio,threads,sync or engine_threads=4,16 or
     /// target=embedded,baseline or socket=/run/a.sock@PID,/run/b.sock@PID (devices side by
@@ -478,6 +483,14 @@ impl TryFrom<&BenchArgs> for Plan {
                 None => 0,
             },
             request,
+            io_timeout: match a.io_timeout {
+                t if t.is_finite() && t > 0.0 && t <= 86_400.0 => Duration::from_secs_f64(t),
+                t => {
+                    return Err(format!(
+                        "--io-timeout {t}: must be more than 0 and at most 86400 seconds"
+                    ))
+                }
+            },
         };
         let compare = match (&a.compare, a.is_default_run()) {
             (Some(c), _) => Some(plan::Compare::parse(c)?),

@@ -663,6 +663,46 @@ fn one_thread_keeps_each_clones_pace() {
     }
 }
 
+/// `vblk bench` with `args`, its output piped.
+fn spawn_bench(args: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_vblk"))
+        .args(["--log-level", "warn", "bench"])
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Send `sig` to the test's own child process `pid`.
+fn signal(pid: libc::pid_t, sig: libc::c_int) {
+    // SAFETY: kill(2) takes plain integers; pid is a child this test started and has not
+    // reaped, so it names no other process.
+    assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill({pid}, {sig})");
+}
+
+/// `child`'s exit status, once it has exited; if it still runs after `secs`, kill it, run
+/// `cleanup` and fail the test, saying it was still running `when`.
+fn exit_within(
+    child: &mut std::process::Child,
+    secs: u64,
+    when: &str,
+    cleanup: impl FnOnce(),
+) -> std::process::ExitStatus {
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if t0.elapsed() > std::time::Duration::from_secs(secs) {
+            let _ = child.kill();
+            cleanup();
+            panic!("bench still running {secs} s {when}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 /// A device killed while the thread sleeps on it and another device: the job fails with
 /// the disconnection, promptly, instead of sleeping forever on the dead device's eventfd.
 #[test]
@@ -672,41 +712,23 @@ fn one_thread_fails_promptly_when_a_device_dies() {
     let other_dir = dir.path().join("b");
     std::fs::create_dir(&other_dir).unwrap();
     let other = many_disks(&other_dir, 1, 8);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_vblk"))
-        .args([
-            "--log-level",
-            "warn",
-            "bench",
-            "--rw=randread",
-            "--iodepth=1",
-        ])
-        .args([
-            "--numjobs=2",
-            "--job-threads=1",
-            "--rate_iops=50",
-            "--runtime=60",
-            "--time_based",
-        ])
-        .args(["--socket", socks[0].to_str().unwrap()])
-        .args(["--socket", other.2[0].to_str().unwrap()])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_bench(&[
+        "--rw=randread",
+        "--iodepth=1",
+        "--numjobs=2",
+        "--job-threads=1",
+        "--rate_iops=50",
+        "--runtime=60",
+        "--time_based",
+        "--socket",
+        socks[0].to_str().unwrap(),
+        "--socket",
+        other.2[0].to_str().unwrap(),
+    ]);
     std::thread::sleep(std::time::Duration::from_secs(2));
     assert!(child.try_wait().unwrap().is_none(), "bench ended early");
     d.kill();
-    let t0 = std::time::Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if t0.elapsed() > std::time::Duration::from_secs(20) {
-            let _ = child.kill();
-            panic!("bench still running 20 s after its device was killed");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let status = exit_within(&mut child, 20, "after its device was killed", || {});
     let out = child.wait_with_output().unwrap();
     let (_, text) = outcome(&out);
     assert!(!status.success(), "bench succeeded: {text}");
@@ -714,4 +736,62 @@ fn one_thread_fails_promptly_when_a_device_dies() {
         text.to_lowercase().contains("disconnect"),
         "no disconnection named: {text}"
     );
+}
+
+/// A device that stops answering (its daemon SIGSTOPped: alive, socket open, requests on
+/// the ring) ends the job with an error naming the held I/O within `--io-timeout`, on
+/// every kind of client loop: a thread per clone sleeping in the queue's wait, one thread
+/// sleeping on several clones' queues at once, and passthru's polled rings. Without the
+/// bound each of these waits forever.
+#[test]
+fn a_stopped_device_fails_the_job_within_its_io_timeout() {
+    let cases: [(&str, &[&str]); 3] = [
+        ("thread per clone", &["--numjobs=1"]),
+        (
+            "one thread, two clones",
+            &["--numjobs=2", "--job-threads=1"],
+        ),
+        ("passthru", &["--numjobs=1", "--path=passthru"]),
+    ];
+    for (case, extra) in cases {
+        let dir = temp_dir("bench-stall");
+        let (mut d, _imgs, socks) = many_disks(dir.path(), 1, 8);
+        let sock = socks[0].to_str().unwrap();
+        let common = [
+            "--rw=randread",
+            "--iodepth=4",
+            "--runtime=60",
+            "--time_based",
+        ];
+        let args = [&common[..], &["--io-timeout=2", "--socket", sock], extra].concat();
+        let mut child = spawn_bench(&args);
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "{case}: bench ended early"
+        );
+        let pid = d.pid() as libc::pid_t;
+        signal(pid, libc::SIGSTOP);
+        let t0 = std::time::Instant::now();
+        let status = exit_within(
+            &mut child,
+            20,
+            &format!("{case}: after its device stopped"),
+            || signal(pid, libc::SIGCONT),
+        );
+        let waited = t0.elapsed();
+        signal(pid, libc::SIGCONT);
+        d.kill();
+        let out = child.wait_with_output().unwrap();
+        let (_, text) = outcome(&out);
+        assert!(!status.success(), "{case}: bench succeeded: {text}");
+        assert!(
+            text.contains("no I/O completed for 2.0 s"),
+            "{case}: the stall is not named: {text}"
+        );
+        assert!(
+            waited >= std::time::Duration::from_millis(1900),
+            "{case}: failed after {waited:?}, before its 2 s timeout: {text}"
+        );
+    }
 }

@@ -86,6 +86,8 @@ pub(super) struct CloneRun<'a> {
     pacer: Option<Pacer>,
     /// The next I/O, drawn but held back by the rate or by an overlap.
     pending: Option<IoUnit>,
+    /// The longest the clone waits with I/O in flight and none completing.
+    pub io_timeout: Duration,
 }
 
 impl<'a> CloneRun<'a> {
@@ -146,6 +148,7 @@ impl<'a> CloneRun<'a> {
             last_done: clock.now_ns(),
             pacer: Pacer::of(spec, w.start),
             pending: None,
+            io_timeout: w.io_timeout,
         })
     }
 
@@ -280,6 +283,11 @@ impl<'a> CloneRun<'a> {
         Ok(())
     }
 
+    /// The clone's number in its job.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
     /// I/Os completed in the measured window.
     pub fn ios(&self) -> u64 {
         self.read.ios + self.write.ios
@@ -293,7 +301,7 @@ impl<'a> CloneRun<'a> {
         });
         let mut verified = self.verified;
         if let Some(map) = &self.written {
-            verified += verify_pass(lane, map, self.gen.max_block())?;
+            verified += verify_pass(lane, map, self.gen.max_block(), self.io_timeout)?;
         }
         Ok(CloneResult {
             index: self.index,
@@ -335,7 +343,7 @@ pub(super) fn run_alone(
             continue;
         }
         done.clear();
-        lane.wait(c.batch_complete.min(c.in_flight), &mut done)?;
+        lane.wait(c.batch_complete.min(c.in_flight), &mut done, c.io_timeout)?;
         let tc = c.clock.now_ns();
         c.complete(lane, &done, tc)?;
     }
@@ -344,7 +352,12 @@ pub(super) fn run_alone(
 }
 
 /// Read back everything this clone wrote and check it.
-fn verify_pass(lane: &mut dyn Lane, map: &WrittenMap, chunk: u64) -> Result<u64, String> {
+fn verify_pass(
+    lane: &mut dyn Lane,
+    map: &WrittenMap,
+    chunk: u64,
+    limit: Duration,
+) -> Result<u64, String> {
     let mut checked = 0;
     let mut done = Vec::with_capacity(1);
     for (off, len) in map.extents() {
@@ -354,7 +367,7 @@ fn verify_pass(lane: &mut dyn Lane, map: &WrittenMap, chunk: u64) -> Result<u64,
             lane.submit(0, IoDir::Read, at, n)?;
             lane.unplug()?;
             done.clear();
-            lane.wait(1, &mut done)?;
+            lane.wait(1, &mut done, limit)?;
             if let Some((_, Err(e))) = done.first() {
                 return Err(format!(
                     "verify read of {n} bytes at offset {at} failed: {e}"

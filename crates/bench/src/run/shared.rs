@@ -44,6 +44,21 @@ fn sleep_on(fds: &mut [libc::pollfd], until: Option<Instant>) -> Result<(), Stri
     Ok(())
 }
 
+/// The error of a thread whose clones' devices held their I/O for `limit`.
+fn stalled(clones: &[CloneRun], live: &[bool], limit: Duration) -> String {
+    let held: Vec<String> = clones
+        .iter()
+        .zip(live)
+        .filter(|(c, &l)| l && c.in_flight > 0)
+        .map(|(c, _)| format!("clone {}: {}", c.index(), c.in_flight))
+        .collect();
+    format!(
+        "no I/O completed for {:.1} s with I/O in flight ({}): the devices hold them (stalled or stopped; --io-timeout sets how long to wait)",
+        limit.as_secs_f64(),
+        held.join(", ")
+    )
+}
+
 /// Run `members` (a clone's arguments and its lane each) on the calling thread until all
 /// are over. The thread's CPU time in the measured window is shared out among the clones
 /// by the I/Os each completed in it.
@@ -69,6 +84,10 @@ pub(super) fn run_together(
     let mut measuring = false;
     // When the loop last found nothing to do with I/O in flight (None: it found some).
     let mut idle_since: Option<Instant> = None;
+    // When an I/O last completed, or nothing was in flight: a device that holds its I/O
+    // longer than the clones' --io-timeout fails the job rather than hanging the thread.
+    let limit = w.io_timeout;
+    let mut progress_at = Instant::now();
     std::thread::sleep(w.start.saturating_duration_since(Instant::now()));
     loop {
         let mut got = false;
@@ -85,7 +104,7 @@ pub(super) fn run_together(
             }
             if c.in_flight > 0 {
                 done.clear();
-                lane.wait(0, &mut done)?;
+                lane.wait(0, &mut done, limit)?;
                 if !done.is_empty() {
                     let tc = crate::clock::Clock::get().now_ns();
                     c.complete(lane, &done, tc)?;
@@ -103,10 +122,12 @@ pub(super) fn run_together(
         }
         if got {
             idle_since = None;
+            progress_at = Instant::now();
             continue;
         }
         let next_due = (0..n).filter(|&i| live[i]).filter_map(|i| dues[i]).min();
         if !in_flight {
+            progress_at = Instant::now();
             // Every clone is held back by its rate.
             if let Some(t) = next_due {
                 std::thread::sleep(t.saturating_duration_since(Instant::now()));
@@ -114,6 +135,9 @@ pub(super) fn run_together(
             continue;
         }
         let now = Instant::now();
+        if now.duration_since(progress_at) >= limit {
+            return Err(stalled(&clones, &live, limit));
+        }
         let since = *idle_since.get_or_insert(now);
         if now.duration_since(since) < spin {
             std::hint::spin_loop();
@@ -152,7 +176,8 @@ pub(super) fn run_together(
         let slept = if poll_again {
             Ok(())
         } else {
-            sleep_on(&mut fds, next_due)
+            let until = progress_at + limit;
+            sleep_on(&mut fds, Some(next_due.map_or(until, |t| t.min(until))))
         };
         for &i in &armed {
             members[i].1.disarm();

@@ -172,6 +172,12 @@ impl AutoDisk {
         );
         self.round.store(next, Ordering::Release);
         self.start.store(self.now() + ns(delay), Ordering::Release);
+        log::debug!(
+            "auto: round {next} at {:.3} s: {} slots of {:.0} ms",
+            self.now() as f64 / 1e9,
+            self.steps(),
+            self.slot.load(Ordering::Relaxed) as f64 / 1e6
+        );
     }
 
     /// A queue of round `round` completed `ios` I/Os in slot `k` over the `busy` ns it
@@ -209,6 +215,12 @@ impl AutoDisk {
     /// round at once.
     fn lengthen(&self, slot: u64, settle: u64) {
         let longer = (slot * 2).max(settle * 3).min(ns(SLOT_MAX));
+        log::debug!(
+            "auto: a switch took {:.1} ms to settle in slots of {:.0} ms: slots of {:.0} ms",
+            settle as f64 / 1e6,
+            slot as f64 / 1e6,
+            longer as f64 / 1e6
+        );
         self.slot.store(longer, Ordering::Relaxed);
         self.open(Duration::ZERO);
     }
@@ -297,6 +309,14 @@ impl AutoDisk {
         );
         self.decided.fetch_add(1, Ordering::Release);
         self.start.store(IDLE, Ordering::Release);
+        log::debug!(
+            "auto: round decided at {:.3} s: {:?}",
+            now as f64 / 1e9,
+            trials
+                .iter()
+                .map(|t| (t.path, t.queue_depth, t.iops.round()))
+                .collect::<Vec<_>>()
+        );
         true
     }
 
