@@ -53,8 +53,8 @@ pub(crate) struct Core {
     /// Scratch for the segments of the request being built (no allocation per request).
     segs: Vec<Seg>,
     pub spin: Duration,
-    /// How long a submission waits for room on a full ring.
-    pub room_wait: Duration,
+    /// How long a call waits for the device: room on a full ring, a blocking call's answer.
+    pub wait_limit: Duration,
     pub dead: bool,
     idle_polls: u32,
     /// Virtio requests on the ring.
@@ -75,7 +75,7 @@ impl Core {
         kick: EventFd,
         call: EventFd,
         spin: Duration,
-        room_wait: Duration,
+        wait_limit: Duration,
     ) -> Core {
         let max_segs = ring.max_segs();
         let seg_max = (limits.seg_max as usize).max(1);
@@ -92,7 +92,7 @@ impl Core {
             call,
             segs: Vec::with_capacity(max_segs + 4),
             spin,
-            room_wait,
+            wait_limit,
             dead: false,
             idle_polls: 0,
             requests: 0,
@@ -555,7 +555,7 @@ impl Core {
                 ),
             ));
         }
-        let deadline = Instant::now() + self.room_wait;
+        let deadline = Instant::now() + self.wait_limit;
         while self.ring.num_free() < need {
             if self.dead {
                 break;
@@ -567,8 +567,8 @@ impl Core {
                     return Err(Error::new(
                         ErrorKind::Timeout,
                         format!(
-                            "the ring had no room for {} s: {need} descriptors needed, {} free, {} requests held by the device (QueueOptions::room_wait)",
-                            self.room_wait.as_secs_f64(),
+                            "the ring had no room for {} s: {need} descriptors needed, {} free, {} requests held by the device (QueueOptions::wait_limit)",
+                            self.wait_limit.as_secs_f64(),
                             self.ring.num_free(),
                             self.requests
                         ),
@@ -696,12 +696,24 @@ impl Core {
             return Err(e);
         }
         self.publish();
+        let deadline = Instant::now() + self.wait_limit;
         let c = loop {
             if let Some(c) = self.table.pop_ready() {
                 break c;
             }
             if self.reap() == 0 {
-                self.block(None)?;
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    self.table.abandon(token);
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "the device did not answer GET_ID within {:.1} s (QueueOptions::wait_limit)",
+                            self.wait_limit.as_secs_f64()
+                        ),
+                    ));
+                }
+                self.block(Some(left))?;
             }
             if self.dead && self.table.ready.is_empty() {
                 return Err(ErrorKind::Disconnected.into());

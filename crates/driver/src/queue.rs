@@ -36,11 +36,16 @@ pub struct QueueOptions {
     pub spin: Duration,
     /// The request path's plug, merging and elevator (also used by `auto`).
     pub request: RequestOptions,
-    /// How long a submission waits for room when the ring is full (a request needs more
-    /// descriptors than are free: without indirect descriptors, a ring fills before the
-    /// in-flight table does) before it fails with [`crate::ErrorKind::Timeout`]: a device
-    /// that holds its requests must not hold the submitting thread forever.
-    pub room_wait: Duration,
+    /// How long a call that must wait for the device waits before it fails with
+    /// [`crate::ErrorKind::Timeout`]: a device that holds its requests must not hold the
+    /// calling thread forever. It bounds a submission's wait for room on a full ring (a
+    /// request needs more descriptors than are free: without indirect descriptors a ring
+    /// fills before the in-flight table does) and a blocking call's wait for its answer
+    /// ([`Queue::read_at`], [`Queue::write_at`], [`Queue::flush_sync`],
+    /// [`Queue::discard_sync`], [`Queue::write_zeroes_sync`], [`Queue::get_id`]). The
+    /// request of a blocking call that timed out stays with the device; its answer is
+    /// dropped when it comes, and until then the queue takes no other blocking call.
+    pub wait_limit: Duration,
 }
 
 impl Default for QueueOptions {
@@ -50,7 +55,7 @@ impl Default for QueueOptions {
             batch: 16,
             spin: Duration::from_micros(50),
             request: RequestOptions::default(),
-            room_wait: Duration::from_secs(30),
+            wait_limit: Duration::from_secs(30),
         }
     }
 }
@@ -105,7 +110,7 @@ impl Queue {
             kick,
             call,
             opts.spin,
-            opts.room_wait,
+            opts.wait_limit,
         );
         let path = match opts.path {
             PathKind::Bio | PathKind::Passthru => PathState::Bio,
@@ -137,7 +142,7 @@ impl Queue {
 
     /// I/Os submitted whose completion the caller has not yet taken.
     pub fn in_flight(&self) -> usize {
-        self.core.table.in_flight
+        self.core.table.in_flight - self.core.table.abandoned()
     }
 
     /// Allocate a buffer in memory shared with the device.
@@ -306,7 +311,7 @@ impl Queue {
             if let Some(c) = self.poll() {
                 return Ok(c);
             }
-            if self.core.table.in_flight == 0 {
+            if self.in_flight() == 0 {
                 return Err(Error::new(
                     ErrorKind::InvalidInput,
                     "wait with nothing in flight".into(),
@@ -369,7 +374,20 @@ impl Queue {
 
     fn run_sync(&mut self, submitted: Result<(), SubmitError>) -> Result<Completion, Error> {
         submitted.map_err(|e| e.error)?;
-        let c = self.wait(None)?;
+        let limit = self.core.wait_limit;
+        let c = match self.wait(Some(limit)) {
+            Err(e) if e.kind() == ErrorKind::Timeout => {
+                self.core.table.abandon(INTERNAL_TOKEN);
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "the device did not answer within {:.1} s (QueueOptions::wait_limit); the request stays with it and its answer will be dropped",
+                        limit.as_secs_f64()
+                    ),
+                ));
+            }
+            r => r?,
+        };
         if c.token != INTERNAL_TOKEN {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -381,6 +399,12 @@ impl Queue {
     }
 
     fn require_idle(&self) -> Result<(), Error> {
+        if self.core.table.abandoned() > 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "a blocking call that timed out left its request with the device, which has not answered it yet".into(),
+            ));
+        }
         if self.core.table.in_flight > 0 {
             return Err(Error::new(
                 ErrorKind::InvalidInput,

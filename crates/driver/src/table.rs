@@ -87,6 +87,10 @@ pub(crate) struct Table {
     parked_tail: u32,
     /// A post-flush is on the ring.
     pub post_flush_busy: bool,
+    /// I/Os a blocking call gave up on ([`Table::abandon`]): still with the device; when
+    /// they complete their buffers are freed and nothing is handed out. Nearly always
+    /// empty: one length check per completion.
+    abandoned: Vec<u32>,
 }
 
 impl Table {
@@ -102,7 +106,30 @@ impl Table {
             parked: NONE,
             parked_tail: NONE,
             post_flush_busy: false,
+            abandoned: Vec::new(),
         }
+    }
+
+    /// Give up on the caller I/Os with `token` that are out (a blocking call's, after it
+    /// timed out): they stay with the device, which may still write their buffers; when
+    /// they complete, the buffers are freed and no completion is handed out. Returns how
+    /// many. A scan of the table: only after a timeout.
+    pub(crate) fn abandon(&mut self, token: u64) -> usize {
+        let live = |i: usize, e: &Entry| {
+            e.token == token && !e.hidden && e.remaining > 0 && !self.free.contains(&(i as u32))
+        };
+        let ids: Vec<u32> = (self.entries.iter().enumerate())
+            .filter(|(i, e)| live(*i, e))
+            .map(|(i, _)| i as u32)
+            .collect();
+        let n = ids.len();
+        self.abandoned.extend(ids);
+        n
+    }
+
+    /// I/Os given up on and still with the device.
+    pub(crate) fn abandoned(&self) -> usize {
+        self.abandoned.len()
     }
 
     pub(crate) fn get(&self, id: u32) -> &Entry {
@@ -233,6 +260,16 @@ impl Table {
     }
 
     fn complete(&mut self, id: u32) {
+        if !self.abandoned.is_empty() {
+            if let Some(k) = self.abandoned.iter().position(|&a| a == id) {
+                // Given up on: the device is done with its buffers now; nobody takes it.
+                self.abandoned.swap_remove(k);
+                drop(std::mem::take(&mut self.entries[id as usize].bufs));
+                self.free.push(id);
+                self.in_flight -= 1;
+                return;
+            }
+        }
         let e = &mut self.entries[id as usize];
         let c = Completion {
             token: e.token,

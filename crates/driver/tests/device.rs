@@ -258,30 +258,39 @@ fn full_ring_backpressure_waits_instead_of_failing() {
     assert!(got.iter().all(|&b| b == (499 % 256) as u8));
 }
 
-/// A full ring whose device holds its requests (every operation held 60 s) does not hold
-/// the submitter forever: after `room_wait` the submission fails with a timeout naming the
-/// numbers, and hands its buffer back. (It waited without limit before.)
-#[test]
-fn full_ring_wait_for_room_has_a_deadline() {
-    let (_d, sock) = start(DeviceConfig {
-        delay: Some(storage::Delay {
-            every: 1,
-            by: Duration::from_secs(60),
-            hold: storage::Hold::Operation,
-        }),
+/// Queue 0 of a RAM disk whose engine holds operations as `delay` says (`N:MS:hold...`),
+/// attached with `opts` and a wait limit of 1 s.
+fn queue_on_held_device(
+    delay: &str,
+    opts: DiskOptions,
+) -> (tempfile::TempDir, Disk, vblk_driver::Queue) {
+    let (d, sock) = start(DeviceConfig {
+        delay: Some(delay.parse().unwrap()),
         ..mem_device(1)
     });
     let opts = DiskOptions {
-        queue_size: 8,
-        indirect: false,
         queue: QueueOptions {
-            room_wait: Duration::from_secs(1),
-            ..Default::default()
+            wait_limit: Duration::from_secs(1),
+            ..opts.queue
         },
-        ..Default::default()
+        ..opts
     };
     let disk = Disk::attach(&sock, &opts).unwrap();
-    let mut q = disk.take_queue(0).unwrap();
+    let q = disk.take_queue(0).unwrap();
+    (d, disk, q)
+}
+
+/// A full ring whose device holds its requests (every operation held 60 s) does not hold
+/// the submitter forever: after `wait_limit` the submission fails with a timeout naming the
+/// numbers, and hands its buffer back. (It waited without limit before.)
+#[test]
+fn full_ring_wait_for_room_has_a_deadline() {
+    let opts = DiskOptions {
+        queue_size: 8,
+        indirect: false,
+        ..Default::default()
+    };
+    let (_d, _disk, mut q) = queue_on_held_device("1:60000:hold", opts);
     // Three descriptors a request without indirect ones: the ring of 8 holds two.
     for i in 0..2u64 {
         q.write(i * 4096, q.alloc(4096).unwrap(), i).unwrap();
@@ -303,6 +312,52 @@ fn full_ring_wait_for_room_has_a_deadline() {
         "failed after {waited:?}"
     );
     assert_eq!(q.in_flight(), 2, "the two held writes are still in flight");
+}
+
+/// A blocking call whose request the device holds fails after `wait_limit` instead of
+/// waiting forever. Its request stays with the device: the queue refuses other blocking
+/// calls, saying why, and hands out nothing when the request completes (its answer is
+/// dropped, its buffer freed); then the queue serves blocking calls again, and what the
+/// abandoned write carried is on the disk.
+#[test]
+fn a_blocking_call_gives_up_after_its_wait_limit() {
+    let (_d, _disk, mut q) = queue_on_held_device("1:3000:hold-writes", DiskOptions::default());
+    let t0 = std::time::Instant::now();
+    let e = q.write_at(0, &[0xAB; 4096]).unwrap_err();
+    let waited = t0.elapsed();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert!(e.to_string().contains("did not answer within 1.0 s"), "{e}");
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_millis(2900),
+        "gave up after {waited:?}"
+    );
+    assert_eq!(q.in_flight(), 0, "the abandoned write is not the caller's");
+    let mut got = [0u8; 4096];
+    let e = q.read_at(0, &mut got).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    assert!(e.to_string().contains("timed out left its request"), "{e}");
+    let served = loop {
+        assert!(
+            q.poll().is_none(),
+            "the abandoned write's answer was handed out"
+        );
+        if q.read_at(0, &mut got).is_ok() {
+            break t0.elapsed();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the held write never ended"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        served >= Duration::from_millis(2900),
+        "served after {served:?}"
+    );
+    assert!(
+        got.iter().all(|&b| b == 0xAB),
+        "the held write did not land"
+    );
 }
 
 #[test]
