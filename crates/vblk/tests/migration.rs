@@ -35,6 +35,11 @@
 //! and is reported with its bytes and where the virtqueues are, long before it would
 //! corrupt the guest (a fio verify error, or an oops when the page is kernel memory).
 //!
+//! That comparison needs QEMU's own tracking of the vCPUs' writes to be whole, and QEMU
+//! 7.2 under TCG loses such writes when the RAM is a multiple of 64 pages: every VM here
+//! has 8 KiB more (`Guest::migratable`, which says why), and the last test checks the
+//! premise with a guest that writes memory hard while its disk is idle.
+//!
 //! Asserted besides the guest's checks: every migration completed; each source daemon
 //! logged the switchover (dirty logging on, writes made durable, locks released) and each
 //! destination took the image over; no daemon logged an error.
@@ -369,10 +374,8 @@ fn check_daemon_logs(daemons: &[Daemon; 2]) -> Vec<String> {
         if !log.contains("dirty logging on") {
             p.push(format!("{}: dirty logging never went on", d.name));
         }
-        for l in log.lines().filter(|l| l.contains(" ERROR ")) {
-            p.push(format!("{}: {l}", d.name));
-        }
     }
+    p.extend(check_daemon_errors(daemons));
     p
 }
 
@@ -406,4 +409,106 @@ fn a_guest_migrates_back_and_forth_between_two_vblk_daemons_under_fio_verify() {
 #[test]
 fn the_same_migrations_pass_against_qemu_storage_daemon() {
     run_all(&[Kind::QemuStorageDaemon]);
+}
+
+/// The harness's own premise: a migration carries every page the guest's vCPUs write, so
+/// a page that differs after a switchover can only be a device's unlogged write. A guest
+/// whose disk (a vblk daemon pair) stays idle writes 48 MiB of tmpfs at random with both
+/// vCPUs through fio's mmap engine, and moves four times; after each move the two
+/// stopped QEMU processes must hold the same memory. With QEMU 7.2's TCG and a RAM size
+/// that is a multiple of 64 pages, most moves lost hundreds to thousands of pages and the
+/// guest oopsed after one or two (see `Guest::migratable`).
+#[test]
+fn a_cpu_busy_guest_migrates_without_losing_a_page() {
+    const MOVES: usize = 4;
+    let dir = TempDir::new_in(&target_dir().join("tmp"), "migrate-cpu-busy");
+    let image = dir.join("disk.img");
+    fs::File::create(&image)
+        .unwrap()
+        .set_len(DISK_BYTES)
+        .unwrap();
+    let export = Export::new(image.display().to_string(), 2).args(&["--format", "raw"]);
+    let a = Daemon::start(
+        Backend::Vblk,
+        "daemon a",
+        &export,
+        &dir.join("a.sock"),
+        &dir.join("a.log"),
+    );
+    let export =
+        Export::new(image.display().to_string(), 2).args(&["--format", "raw", "--incoming"]);
+    let b = Daemon::start(
+        Backend::Vblk,
+        "daemon b",
+        &export,
+        &dir.join("b.sock"),
+        &dir.join("b.log"),
+    );
+    let daemons = [a, b];
+    let guest = Guest::new("migrate-cpu-busy")
+        .disk(&daemons[0].socket, 2)
+        .layer(fio_layer())
+        .script(
+            "fio --name=m --ioengine=mmap --filename=/dev/shm/m --size=48M --rw=randwrite \
+             --bs=4k --numjobs=2 --cpus_allowed=0-1 --cpus_allowed_policy=split \
+             --time_based --runtime=100000 > /dev/null 2>&1 &\n\
+             echo VBLK-MIGRATE-READY\nwhile :; do sleep 1; done\n",
+        )
+        .timeout(Duration::from_secs(600));
+    let (work, initrd) = guest.prepare();
+    let mut vm = Vm::start(&guest, &initrd, work.path(), "vm0", None);
+    assert!(
+        vm.wait_console("VBLK-MIGRATE-READY", Duration::from_secs(120)),
+        "the guest did not start writing its memory:\n{}",
+        vm.console()
+    );
+    let mut problems = Vec::new();
+    let mut on = 0;
+    for m in 0..MOVES {
+        std::thread::sleep(Duration::from_secs(2));
+        let to = 1 - on;
+        let mig = work.join(format!("mig{m}.sock"));
+        let mut dest = Vm::start(
+            &guest.with_socket(0, &daemons[to].socket),
+            &initrd,
+            work.path(),
+            &format!("vm{}", m + 1),
+            Some(&mig),
+        );
+        match vm.migrate_to(&dest, &mig, MIGRATION_LIMIT) {
+            Ok(_) => {
+                problems.extend(compare_memory(m, &mut vm, &dest));
+                if let Err(e) = dest.resume() {
+                    problems.push(format!(
+                        "migration {m}: the destination did not resume: {e}"
+                    ));
+                }
+            }
+            Err(e) => problems.push(e),
+        }
+        let old = std::mem::replace(&mut vm, dest);
+        old.quit(Duration::from_secs(20));
+        on = to;
+        if !problems.is_empty() {
+            break;
+        }
+    }
+    problems.extend(check_daemon_errors(&daemons));
+    assert!(
+        problems.is_empty(),
+        "{}\n---- console ----\n{}",
+        problems.join("\n"),
+        vm.console()
+    );
+}
+
+/// Every ERROR a daemon logged.
+fn check_daemon_errors(daemons: &[Daemon; 2]) -> Vec<String> {
+    let mut p = Vec::new();
+    for d in daemons {
+        for l in d.log_text().lines().filter(|l| l.contains(" ERROR ")) {
+            p.push(format!("{}: {l}", d.name));
+        }
+    }
+    p
 }

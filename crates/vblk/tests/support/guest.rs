@@ -238,6 +238,8 @@ pub struct Guest {
     smp: u32,
     cpu: String,
     memory_mib: u32,
+    /// RAM 8 KiB over `memory_mib`, for a guest that QEMU 7.2 migrates ([`Guest::migratable`]).
+    migratable: bool,
     cmdline: Vec<String>,
     layers: Vec<PathBuf>,
     logs: Vec<(String, PathBuf)>,
@@ -300,6 +302,7 @@ impl Guest {
             smp: 2,
             cpu: "max".into(),
             memory_mib: GUEST_MEM_MIB,
+            migratable: false,
             cmdline: Vec::new(),
             layers: Vec::new(),
             logs: Vec::new(),
@@ -376,6 +379,24 @@ impl Guest {
     /// Guest RAM in MiB (default 512).
     pub fn memory_mib(mut self, mib: u32) -> Guest {
         self.memory_mib = mib;
+        self
+    }
+
+    /// Size the RAM so that QEMU 7.2 under TCG migrates every page the vCPUs write:
+    /// 8 KiB more than [`Guest::memory_mib`].
+    ///
+    /// QEMU before 9.0 (commit 03bfc2188f, "physmem: Fix migration dirty bitmap
+    /// coherency with TCG memory access") clears the migration dirty bits of a RAM block
+    /// whose size is a multiple of 64 pages (256 KiB) word by word without resetting the
+    /// vCPUs' TLB entries. A vCPU that has written a page once keeps writing it through
+    /// its TLB without marking it dirty again, so the migration never sends those writes:
+    /// kernel pages, page-table pages and the guest's own virtqueue indices arrive stale
+    /// (in this harness: thousands of pages per migration under a guest's memory
+    /// writes, an oops or a ring "ahead by 65528" on the destination). A size that is
+    /// not a multiple of 64 pages takes QEMU's page-by-page path, which resets the TLB
+    /// entries. KVM tracks dirty pages in the host kernel and is not affected.
+    pub fn migratable(mut self) -> Guest {
+        self.migratable = true;
         self
     }
 
@@ -523,7 +544,12 @@ impl Guest {
             "-smp",
             &self.smp.to_string(),
         ]);
-        let mem = format!("{}M", self.memory_mib);
+        // QEMU rounds RAM to 8 KiB; the NUMA node's memdev must be exactly that size.
+        let mem = if self.migratable {
+            format!("{}K", u64::from(self.memory_mib) * 1024 + 8)
+        } else {
+            format!("{}M", self.memory_mib)
+        };
         cmd.args(["-m", &mem]);
         cmd.args([
             "-object",

@@ -113,6 +113,9 @@ impl Vm {
             extra.push(format!("unix:{}", p.display()));
         }
         let console = format!("file:{}", serial.display());
+        // Every VM of a migration (source and destinations) has the same RAM, sized so
+        // that QEMU 7.2's TCG dirty tracking carries every page (Guest::migratable).
+        let guest = guest.clone().migratable();
         let mut cmd = guest.qemu_command(initrd, guest.timeout_secs(), &console, &extra);
         let err = fs::File::create(&stderr).expect("stderr log");
         cmd.stdin(Stdio::null())
