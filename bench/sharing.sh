@@ -17,7 +17,12 @@
 # the way back from the hypervisor, one on a CPU busy with another daemon a context
 # switch), the jobs' CPU (how busy CPU 0 was: the 16 jobs share it) and the jobs'
 # completion-latency p50/p99 (the worst disk's and the median disk's).
-# One run per setup; the setups take turns. At the end, the issue's goals from this run:
+# One run per setup; the setups take turns. A run during which the host stole more than
+# MAX_STEAL % of a CPU from this VM (default 5; steal is time this VM's CPUs wanted to
+# run and the host ran something else) runs again, up to TRIES times (default 3), and the
+# try with the least steal is kept: under steal a wake-up waits for the host, and the
+# tails then measure the host (the same setup gave a p99 of 102 µs at 0.5 % steal and of
+# 4.4 ms at 29 %). Every try is printed and kept in OUT/tries/SETUP.K. At the end, the issue's goals from this run:
 # (a)'s device CPU per I/O against (b)'s and (c)'s, and each disk's p99 in (a) against
 # its p99 with a daemon of its own, (b): the same 16 jobs on CPU 0, so the same client
 # load. The one-disk run (e) is the figure with CPU 0 nearly idle; its ratio is printed too.
@@ -47,6 +52,8 @@ RUNTIME=${1:-10}
 OUT=${2:-$(mktemp -d /var/tmp/vblk-sharing.XXXXXX)}
 SETUPS=${3:-vblk-1x16 vblk-1x16-nopoll vblk-1x16-coalesce20 vblk-16x1 qsd-1x16 qsd-iot-1x16 vblk-1x1}
 CLIENT=${4:-jobs}
+MAX_STEAL=${MAX_STEAL:-5}
+TRIES=${TRIES:-3}
 case $CLIENT in jobs | thread) ;; *) echo "CLIENT must be jobs or thread, not $CLIENT" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 N=16
@@ -186,9 +193,53 @@ per_io = lambda x: "-" if x is None or not ios else f"{x / ios:.3f}"
 print(f"{name:<20} {disks:>5} {ios/ (wall - 0):>10.0f} {cpu_s / ios * 1e6 if ios else 0:>12.2f} {100 * cpu_s / wall:>8.1f} "
       f"{per_io(dev_wakes):>10} {per_io(halts):>10} "
       f"{jobs_cpu:>9.1f} {100 * steal / wall:>7.2f} {statistics.median(p50):>9.1f} {statistics.median(p99):>9.1f} {max(p99):>9.1f}")
-with open(f"{out}/summary.tsv", "a") as f:
-    f.write(f"{name}\t{ios}\t{cpu_s}\t{dev_wakes}\t{'' if halts is None else halts}\n")
+with open(f"{out}/{name}.row", "w") as f:
+    f.write(f"{name}\t{ios}\t{cpu_s}\t{dev_wakes}\t{'' if halts is None else halts}\t{100 * steal / wall:.2f}\n")
+with open(f"{out}/{name}.steal", "w") as f:
+    f.write(f"{100 * steal / wall:.2f}\n")
 EOF
+}
+
+start_setup() {
+  case $1 in
+    vblk-1x16) start_vblk_many ;;
+    vblk-1x16-nopoll) start_vblk_many --poll-us 0 ;;
+    vblk-1x16-coalesce20) start_vblk_many --coalesce-us 20 ;;
+    vblk-1x16-forced-coalesce*)
+      VBLK_TEST_POLL_REGIME=coalesce start_vblk_many --coalesce-us "${1#vblk-1x16-forced-coalesce}" ;;
+    vblk-16x1) start_vblk_each ;;
+    qsd-1x16) start_qsd ;;
+    qsd-iot-1x16) start_qsd iothread ;;
+    vblk-1x1) start_vblk_one ;;
+    *) echo "unknown setup $1" >&2; exit 2 ;;
+  esac
+}
+
+# A setup's runs until one has at most MAX_STEAL % steal (TRIES at most); the try with the
+# least steal is copied back into OUT and its summary line appended.
+run_setup() {
+  local setup=$1 disks=$N best="" best_steal="" k steal
+  if [ "$setup" = vblk-1x1 ]; then disks=1; fi
+  for k in $(seq "$TRIES"); do
+    start_setup "$setup"
+    run "$setup" "$disks"
+    stop_all
+    steal=$(cat "$OUT/$setup.steal")
+    rm -rf "$OUT/tries/$setup.$k" && mkdir -p "$OUT/tries/$setup.$k"
+    mv "$OUT/$setup".row "$OUT/$setup".steal "$OUT/$setup"-[0-9]*.json "$OUT/tries/$setup.$k/"
+    if [ -e "$OUT/$setup.json" ]; then mv "$OUT/$setup.json" "$OUT/tries/$setup.$k/"; fi
+    if [ -z "$best" ] || awk -v a="$steal" -v b="$best_steal" 'BEGIN { exit !(a < b) }'; then
+      best=$k best_steal=$steal
+    fi
+    if awk -v a="$steal" -v m="$MAX_STEAL" 'BEGIN { exit !(a <= m) }'; then break; fi
+    if [ "$k" -lt "$TRIES" ]; then
+      echo "  (steal $steal % > $MAX_STEAL %: the host held this VM's CPUs; try $((k + 1)) of $TRIES)"
+    fi
+  done
+  cp "$OUT/tries/$setup.$best/"* "$OUT/"
+  cat "$OUT/$setup.row" >> "$OUT/summary.tsv"
+  rm -f "$OUT/$setup.row" "$OUT/$setup.steal"
+  if [ "$k" -gt 1 ]; then echo "  (kept try $best of $k, steal $best_steal %)"; fi
 }
 
 if [ "$CLIENT" = thread ]; then
@@ -200,31 +251,19 @@ echo "== machine: $(nproc) CPUs, $(uname -r), load average $(cut -d' ' -f1-3 /pr
 rm -f "$OUT/summary.tsv"
 printf '%-20s %5s %10s %12s %8s %10s %10s %9s %7s %9s %9s %9s\n' setup disks "IOPS" "dev µs/I/O" "dev CPU%" "wakes/I/O" "halts/I/O" "jobs CPU%" "steal%" "p50 med" "p99 med" "p99 max"
 for setup in $SETUPS; do
-  case $setup in
-    vblk-1x16) start_vblk_many; run "$setup" "$N" ;;
-    vblk-1x16-nopoll) start_vblk_many --poll-us 0; run "$setup" "$N" ;;
-    vblk-1x16-coalesce20) start_vblk_many --coalesce-us 20; run "$setup" "$N" ;;
-    vblk-1x16-forced-coalesce*)
-      us=${setup#vblk-1x16-forced-coalesce}
-      VBLK_TEST_POLL_REGIME=coalesce start_vblk_many --coalesce-us "$us"; run "$setup" "$N" ;;
-    vblk-16x1) start_vblk_each; run "$setup" "$N" ;;
-    qsd-1x16) start_qsd; run "$setup" "$N" ;;
-    qsd-iot-1x16) start_qsd iothread; run "$setup" "$N" ;;
-    vblk-1x1) start_vblk_one; run "$setup" 1 ;;
-    *) echo "unknown setup $setup" >&2; exit 2 ;;
-  esac
-  stop_all
+  run_setup "$setup"
 done
-echo "(latencies in µs, completion latency as fio's clat; dev µs/I/O: the device processes' CPU time per I/O completed; wakes/I/O: their threads' voluntary context switches per I/O; halts/I/O: CPU 1's entries into an idle state that stops it (a halt, on this VM) per I/O; jobs CPU%: how busy CPU 0, the jobs' CPU, was; steal%: how long the host kept this VM's two CPUs from running when they wanted to, in % of one CPU; JSON in $OUT)"
+echo "(latencies in µs, completion latency as fio's clat; dev µs/I/O: the device processes' CPU time per I/O completed; wakes/I/O: their threads' voluntary context switches per I/O; halts/I/O: CPU 1's entries into an idle state that stops it (a halt, on this VM) per I/O; jobs CPU%: how busy CPU 0, the jobs' CPU, was; steal%: how long the host kept this VM's two CPUs from running when they wanted to, in % of one CPU; a run above $MAX_STEAL % steal runs again, up to $TRIES tries, and the goals use the try with the least; JSON in $OUT)"
 python3 - "$OUT" "$N" <<'EOF'
 # The summary never fails the run: a setup that measured nothing (no I/O, no CPU time, a
 # job without a p99) gives "not measured" here and null in goals.json.
 import json, sys
 out, n = sys.argv[1], int(sys.argv[2])
-cost = {}
+cost, steal = {}, {}
 for line in open(f"{out}/summary.tsv"):
-    name, ios, cpu_s = line.rstrip("\n").split("\t")[:3]
+    name, ios, cpu_s, _, _, steal_pct = line.rstrip("\n").split("\t")[:6]
     cost[name] = float(cpu_s) / int(ios) if int(ios) > 0 and float(cpu_s) > 0 else None
+    steal[name] = float(steal_pct)
 def p99(name, i):
     try:
         j = json.load(open(f"{out}/{name}-{i}.json"))["jobs"][0]["read"]
@@ -242,6 +281,8 @@ goals = {
     "cpu_vs_qsd": ratio(cost.get("vblk-1x16"), cost.get("qsd-1x16")),
     "tail_vs_own": None,
     "tail_vs_alone": None,
+    # The host's steal during each setup's kept run, in % of one CPU.
+    "steal_pct": steal,
 }
 own = [(ratio(p99("vblk-1x16", i), p99("vblk-16x1", i)), i) for i in range(n)]
 own = [(r, i) for r, i in own if r is not None]

@@ -106,6 +106,7 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
             "cpu_vs_qsd": 0.5,
             "tail_vs_own": {"ratio": 0.5, "disk": 7, "shared_us": 80.0, "own_us": 160.0},
             "tail_vs_alone": {"ratio": 2.5, "worst_us": 250.0, "alone_us": 100.0},
+            "steal_pct": {"vblk-1x16": 0.5, "vblk-16x1": 12.25, "vblk-1x1": 0.0},
         })
         .to_string(),
     )
@@ -200,14 +201,14 @@ fn benchmarks_md_is_rendered_from_the_runs_json() {
         "| 16 disks {one}: p99 of the disk it grows most for"
     ));
     assert!(
-        r.contains("disk 7: 80.0 vs 160.0 µs | 0.50× | ≤ 2× | yes"),
+        r.contains("disk 7: 80.0 vs 160.0 µs (host steal 0.5 % / 12.2 %) | 0.50× | ≤ 2× | yes"),
         "{r}"
     );
     let r = row(&format!(
         "| 16 disks {one}: worst disk's p99 in one daemon vs one disk alone"
     ));
     assert!(
-        r.contains("250.0 vs 100.0 µs | 2.50× | ≤ 2× | **no**"),
+        r.contains("250.0 vs 100.0 µs (host steal 0.5 % / 0.0 %) | 2.50× | ≤ 2× | **no**"),
         "{r}"
     );
     let r = row("| QoS: configured vs measured, 2 limits");
